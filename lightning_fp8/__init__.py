@@ -1,0 +1,32 @@
+"""lightning-fp8: FP8 training for PyTorch Lightning.
+
+Public API:
+
+* :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
+* :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
+* :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
+* :func:`fp8_state_dict`, :func:`load_fp8_state_dict`, :func:`roll_amax_history`: the device-side
+  FP8 state of a model.
+"""
+
+from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to_fp8
+from lightning_fp8.gemm import gemm_path
+from lightning_fp8.linear import FP8Linear, fp8_autocast, is_fp8_autocast_enabled
+from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.scaling import fp8_state_dict, load_fp8_state_dict, roll_amax_history
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConversionReport",
+    "FP8Linear",
+    "FP8Recipe",
+    "convert_from_fp8",
+    "convert_to_fp8",
+    "fp8_autocast",
+    "fp8_state_dict",
+    "gemm_path",
+    "is_fp8_autocast_enabled",
+    "load_fp8_state_dict",
+    "roll_amax_history",
+]
