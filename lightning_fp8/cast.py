@@ -41,6 +41,16 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor) -> Tensor:
     return torch.stack([nonzero.sum(), overflow.sum(), (nonzero & flushed).sum()])
 
 
+def cast_with_statistics(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(saturated_cast(x * scale), [nonzero, overflow, underflow])``: the one dispatch point for casts.
+
+    ``scale`` is a float32 tensor broadcastable to ``x`` (0-d, or per row/column).
+    """
+    x_scaled = x.to(torch.float32) * scale
+    data = saturated_cast(x_scaled, fp8_dtype)
+    return data, cast_statistics(x, x_scaled, data)
+
+
 def quantize_tensorwise(
     x: Tensor,
     state: FP8State,
@@ -61,10 +71,9 @@ def quantize_tensorwise(
     scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], margin, recipe.round_to_power_of_2)
     if recipe.name == "delayed":
         scale = torch.where(state.initialized[role], state.scale[role], scale)
-    x_scaled = x.to(torch.float32) * scale
-    data = saturated_cast(x_scaled, fp8_dtype)
+    data, counts = cast_with_statistics(x, scale, fp8_dtype)
     if update:
-        record_cast(state, recipe, role, amax, scale, x.numel(), cast_statistics(x, x_scaled, data), roll)
+        record_cast(state, recipe, role, amax, scale, x.numel(), counts, roll)
     return data, scale
 
 
@@ -86,8 +95,7 @@ def quantize_rowwise(
     x = x.detach()
     amax = x.abs().amax(dim=dim, keepdim=True).to(torch.float32)
     scale = amax_to_scale(amax, FP8_MAX[fp8_dtype], 0, True)
-    x_scaled = x.to(torch.float32) * scale
-    data = saturated_cast(x_scaled, fp8_dtype)
+    data, counts = cast_with_statistics(x, scale, fp8_dtype)
     if state is not None and recipe is not None:
-        record_cast(state, recipe, role, amax.amax(), scale.amin(), x.numel(), cast_statistics(x, x_scaled, data), roll)
+        record_cast(state, recipe, role, amax.amax(), scale.amin(), x.numel(), counts, roll)
     return data, scale
