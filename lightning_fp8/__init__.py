@@ -2,6 +2,7 @@
 
 Public API:
 
+* :class:`FP8Precision`: the Trainer precision plugin (``lightning_fp8.fabric.FP8Precision`` for Fabric);
 * :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
 * :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
 * :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
@@ -13,6 +14,7 @@ from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to
 from lightning_fp8.gemm import gemm_path
 from lightning_fp8.linear import FP8Linear, fp8_autocast, is_fp8_autocast_enabled
 from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.precision import FP8Precision
 from lightning_fp8.scaling import fp8_state_dict, load_fp8_state_dict, roll_amax_history
 
 __version__ = "0.1.0"
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConversionReport",
     "FP8Linear",
+    "FP8Precision",
     "FP8Recipe",
     "convert_from_fp8",
     "convert_to_fp8",

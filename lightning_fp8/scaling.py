@@ -109,10 +109,14 @@ def record_cast(
 
 
 def roll_role(state: FP8State, recipe: FP8Recipe, role: int) -> None:
-    """Push the pending amax of ``role`` into its history; for ``delayed``, derive the next scale."""
+    """Push the pending amax of ``role`` into its history (if one was recorded); for ``delayed``, derive the next scale."""
     history = state.amax_history[role]
-    history.copy_(torch.cat([state.amax_pending[role].view(1), history[:-1]]))
-    state.amax_pending[role].zero_()
+    pending = state.amax_pending[role]
+    # Nothing recorded since the last roll (the layer did not run, or a second optimizer stepped in
+    # the same training step): the history stays as it is. A NaN pending amax is recorded.
+    recorded = pending != 0
+    history.copy_(torch.where(recorded, torch.cat([pending.view(1), history[:-1]]), history))
+    pending.zero_()
     if recipe.name != "delayed":
         return
     # Non-finite entries are ignored, so one bad step does not poison the next L steps.
