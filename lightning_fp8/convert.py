@@ -100,6 +100,7 @@ def convert_to_fp8(
     recipe: FP8Recipe | str | None = None,
     exclude: Sequence[str] = (),
     skip_unaligned: bool = True,
+    log_summary: bool = True,
 ) -> ConversionReport:
     """Convert the eligible ``nn.Linear`` layers of ``module`` (including ``module`` itself) to FP8Linear, in place.
 
@@ -111,6 +112,7 @@ def convert_to_fp8(
         recipe: an :class:`FP8Recipe` or recipe name (default ``"tensorwise"``).
         exclude: glob patterns of fully-qualified module names to keep in high precision.
         skip_unaligned: skip layers whose features are not multiples of 16 (default) instead of padding.
+        log_summary: log the one-line summary (the precision plugin logs its own line instead).
 
     Raises:
         ValueError: if an existing FP8Linear has a different recipe (never a silent mix of recipes).
@@ -139,7 +141,8 @@ def convert_to_fp8(
                 report.converted.append(name)
             else:
                 report.skipped[name] = reason
-    log.info(report.summary())
+    if log_summary:
+        log.info(report.summary())
     return report
 
 

@@ -158,7 +158,9 @@ class FP8Precision(MixedPrecision):
             ValueError: if no layer of the model can run in FP8.
         """
         self._check_strategy(module)
-        report = convert_to_fp8(module, recipe=self.recipe, exclude=self.exclude, skip_unaligned=self.skip_unaligned)
+        report = convert_to_fp8(
+            module, recipe=self.recipe, exclude=self.exclude, skip_unaligned=self.skip_unaligned, log_summary=False
+        )
         if not report.fp8_layers:
             reasons = "; ".join(f"{n or '<root>'}: {why}" for n, why in report.skipped.items()) or "it has no nn.Linear"
             raise ValueError(

@@ -139,11 +139,16 @@ def fp8_mm(
 
 
 def emulated_scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``torch._scaled_mm``'s math without FP8 hardware (see the module docstring)."""
-    if out_dtype == torch.float32:
-        product = a.to(torch.float32) @ b.to(torch.float32)
-    else:
-        product = (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).to(torch.float32)
+    """``torch._scaled_mm``'s math without FP8 hardware (see the module docstring).
+
+    Autocast is switched off around the product: an enclosing fp16 autocast would otherwise cast the
+    operands to float16 and overflow the unscaled product.
+    """
+    with torch.autocast(a.device.type, enabled=False):
+        if out_dtype == torch.float32:
+            product = a.to(torch.float32) @ b.to(torch.float32)
+        else:
+            product = (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).to(torch.float32)
     if inv_a.numel() == 1 and inv_b.numel() == 1:
         return (product * (inv_a * inv_b)).to(out_dtype)  # one alpha, as cuBLAS applies it
     return (product * inv_a * inv_b).to(out_dtype)

@@ -1,0 +1,25 @@
+"""Test utilities: counting device-to-host synchronisations, saved-tensor bytes."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that copy a device value to the host (``.item()``, ``bool(tensor)``, ``.tolist()`` go through them).
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts device-to-host synchronising ops dispatched inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in SYNC_OPS:
+            self.count += 1
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
