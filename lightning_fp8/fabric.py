@@ -14,7 +14,8 @@ What the plugin owns:
   counted on the device.
 * **Delayed-scaling bookkeeping.** The layers record amaxes during every forward and backward of an
   accumulation window (combined with max); the amax histories roll once per optimizer step, after the
-  step (or the skip), so a skipped step still records its amaxes.
+  step (or the skip), so a skipped step still records its amaxes. Under DDP the pending amaxes are
+  first MAX-reduced across ranks in one collective, so every rank derives the same scales.
 * **Checkpoint state.** ``state_dict`` holds the loss-scaler state, the skipped-step count and every
   layer's FP8 state keyed by module name, as tensors and plain values only (``weights_only=True``
   loads it). The model ``state_dict`` is untouched: it keeps the keys and dtypes of the plain model.
@@ -45,6 +46,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_fp8.convert import ConversionReport, convert_to_fp8
+from lightning_fp8.distributed import all_reduce_pending_amax
 from lightning_fp8.gemm import describe_gemm_path
 from lightning_fp8.linear import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
@@ -262,8 +264,10 @@ class FP8Precision(MixedPrecision):
         return out
 
     def after_optimizer_step(self) -> None:
-        """Roll every FP8 layer's amax history once, after the last backward of the window."""
+        """Reduce the pending amaxes across data-parallel ranks (one collective), then roll every FP8
+        layer's amax history once, after the last backward of the window."""
         if self._model is not None:
+            all_reduce_pending_amax(self._model)
             roll_amax_history(self._model)
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:

@@ -1,0 +1,39 @@
+"""Distributed glue: keeping FP8 scaling decisions identical on every data-parallel rank.
+
+Under DDP every rank sees a different shard of the batch, so the amaxes its layers record differ.
+Before the amax histories roll (once per optimizer step), the pending amaxes of all FP8 layers are
+reduced with ``MAX`` across ranks in a single collective, as Transformer Engine does for its
+data-parallel group. All ranks then hold the same histories and derive the same ``delayed`` scales,
+which also makes the FP8 state saved by rank 0 valid for every rank on resume.
+
+The collective goes through ``torch.distributed`` (no host synchronisation; on NCCL it is queued on
+the stream). Counters (seen/overflow/underflow) stay per rank; the stats callback reduces them when
+it logs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fp8.scaling import fp8_modules
+
+
+@torch.no_grad()
+def all_reduce_pending_amax(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """MAX-reduce every FP8 layer's pending amaxes across ``group`` in one collective (no-op when not distributed).
+
+    Non-finite amaxes are sent as ``+inf`` (a NaN would make the reduction order-dependent); the
+    history treats both as "ignore this entry".
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    modules = list(fp8_modules(model).values())
+    if not modules:
+        return
+    pending = torch.stack([m.fp8_amax_pending for m in modules])
+    pending = torch.where(torch.isnan(pending), torch.full_like(pending, float("inf")), pending)
+    dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
+    for module, reduced in zip(modules, pending.unbind(0)):
+        module.fp8_amax_pending.copy_(reduced)

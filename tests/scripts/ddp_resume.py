@@ -1,0 +1,66 @@
+"""Run by tests/test_checkpoint.py: exact resume of FP8 training under DDP, 2 CPU processes on gloo.
+
+Three fits in one launch: 2 epochs straight; 1 epoch + checkpoint; resume for the second epoch.
+Rank 0 saves the final weights and FP8 states of both routes to OUT_DIR; every rank saves its own
+FP8 state after the straight run so the test can check the ranks agree.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from models import TinyDecoder, loader  # noqa: E402
+
+import lightning_fp8 as lf  # noqa: E402
+
+out_dir, recipe = sys.argv[1], sys.argv[2]
+N_DATA = 32 * 32 + 1  # 32 windows: 2 batches of 8 per rank per epoch
+
+
+def trainer(epochs):
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        plugins=[lf.FP8Precision(recipe=recipe)],
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def fresh(seed):
+    torch.manual_seed(seed)
+    return TinyDecoder()
+
+
+straight = fresh(0)
+t = trainer(2)
+t.fit(straight, loader(n=N_DATA))
+torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{t.global_rank}.pt"))
+
+first = fresh(0)
+t = trainer(1)
+t.fit(first, loader(n=N_DATA))
+ckpt = os.path.join(out_dir, "epoch1.ckpt")
+t.save_checkpoint(ckpt)
+
+resumed = fresh(1)  # different init: everything must come from the checkpoint
+t = trainer(2)
+t.fit(resumed, loader(n=N_DATA), ckpt_path=ckpt)
+
+if t.global_rank == 0:
+    torch.save(
+        {
+            "straight": {k: v.detach().clone() for k, v in straight.state_dict().items()},
+            "resumed": {k: v.detach().clone() for k, v in resumed.state_dict().items()},
+            "fp8_straight": lf.fp8_state_dict(straight),
+            "fp8_resumed": lf.fp8_state_dict(resumed),
+        },
+        os.path.join(out_dir, "result.pt"),
+    )

@@ -1,0 +1,153 @@
+"""Checkpoints: plain model state_dict, weights_only-safe plugin state, exact resume (single device and DDP)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from models import TinyDecoder, loader
+
+import lightning_fp8 as lf
+from lightning_fp8 import FP8Precision
+
+N_DATA = 10 * 8 * 32 + 1  # 10 batches of 8 windows per epoch
+
+
+def make_trainer(plugin, epochs, **kwargs):
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    return TinyDecoder()
+
+
+@pytest.fixture(scope="module")
+def delayed_checkpoint(tmp_path_factory):
+    model = fresh()
+    trainer = make_trainer(FP8Precision(recipe="delayed"), 1)
+    trainer.fit(model, loader(n=N_DATA))
+    path = tmp_path_factory.mktemp("ckpt") / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    return path, model
+
+
+def test_checkpoint_model_state_is_the_plain_models(delayed_checkpoint):
+    path, _ = delayed_checkpoint
+    ckpt = torch.load(path, weights_only=True)  # the whole checkpoint: no pickled objects anywhere
+    plain = TinyDecoder()  # never converted
+    expected = plain.state_dict()
+    assert list(ckpt["state_dict"]) == list(expected)
+    for key, value in ckpt["state_dict"].items():
+        assert value.dtype == expected[key].dtype, key
+    plain.load_state_dict(ckpt["state_dict"], strict=True)
+
+
+def test_plugin_state_holds_only_tensors_and_plain_values(delayed_checkpoint):
+    path, model = delayed_checkpoint
+    state = torch.load(path, weights_only=True)["FP8Precision"]
+    assert state["recipe"]["name"] == "delayed"
+    assert state["loss_scaler"]["scale"] == 2.0**16
+    layers = state["fp8"]["layers"]
+    fp8_names = {n for n, m in model.named_modules() if isinstance(m, lf.FP8Linear)}
+    assert set(layers) == fp8_names
+    history = layers["blocks.0.fc"]["fp8_amax_history"]
+    assert torch.equal(history, model.blocks[0].fc.fp8_amax_history)
+
+    def plain(value):
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and plain(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return all(plain(v) for v in value)
+        return value is None or isinstance(value, (torch.Tensor, str, int, float, bool))
+
+    assert plain(state)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_exact_resume_single_device(recipe, tmp_path):
+    straight = fresh()
+    make_trainer(FP8Precision(recipe=recipe), 2).fit(straight, loader(n=N_DATA))
+
+    first = fresh()
+    trainer = make_trainer(FP8Precision(recipe=recipe), 1)
+    trainer.fit(first, loader(n=N_DATA))
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+
+    resumed = fresh(seed=1)  # different init: everything must come from the checkpoint
+    plugin = FP8Precision(recipe=recipe)
+    make_trainer(plugin, 2).fit(resumed, loader(n=N_DATA), ckpt_path=tmp_path / "epoch1.ckpt")
+
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    s, r = lf.fp8_state_dict(straight), lf.fp8_state_dict(resumed)
+    for name, entry in s["layers"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, r["layers"][name][key]), (name, key)
+
+
+def test_resume_with_another_recipe_is_a_clear_error(delayed_checkpoint):
+    path, _ = delayed_checkpoint
+    with pytest.raises(ValueError, match="trained with FP8 recipe .*delayed.*configured with .*tensorwise"):
+        make_trainer(FP8Precision(recipe="tensorwise"), 2).fit(fresh(), loader(n=N_DATA), ckpt_path=path)
+
+
+def test_resume_with_other_history_length_is_a_clear_error(delayed_checkpoint):
+    path, _ = delayed_checkpoint
+    with pytest.raises(ValueError, match="amax_history_len"):
+        make_trainer(FP8Precision(recipe="delayed", amax_history_len=8), 2).fit(
+            fresh(), loader(n=N_DATA), ckpt_path=path
+        )
+
+
+def test_bf16_checkpoint_resumes_in_fp8(tmp_path):
+    """Documented conversion: a checkpoint without FP8 state starts the FP8 state fresh."""
+    model = fresh()
+    trainer = L.Trainer(
+        accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, loader(n=N_DATA))
+    trainer.save_checkpoint(tmp_path / "bf16.ckpt")
+    resumed = fresh(1)
+    make_trainer(FP8Precision(), 2).fit(resumed, loader(n=N_DATA), ckpt_path=tmp_path / "bf16.ckpt")
+    assert int(resumed.blocks[0].fc.fp8_counts[0, 0]) == 10 * 8 * 32 * 64  # one epoch recorded, from zero
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["delayed"])
+def test_exact_resume_ddp_two_processes(recipe, tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_resume.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path), recipe], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    for name, value in result["straight"].items():
+        assert torch.equal(value, result["resumed"][name]), name
+    # The amax reduction keeps every rank's histories (and so its delayed scales) identical.
+    rank0 = torch.load(tmp_path / "fp8_rank0.pt", weights_only=True)["layers"]
+    rank1 = torch.load(tmp_path / "fp8_rank1.pt", weights_only=True)["layers"]
+    for name in rank0:
+        for key in ("fp8_amax_history", "fp8_scale", "fp8_initialized"):
+            assert torch.equal(rank0[name][key], rank1[name][key]), (name, key)
+    fp8_s, fp8_r = result["fp8_straight"]["layers"], result["fp8_resumed"]["layers"]
+    for name in fp8_s:
+        assert torch.equal(fp8_s[name]["fp8_amax_history"], fp8_r[name]["fp8_amax_history"]), name
+        assert torch.equal(fp8_s[name]["fp8_scale"], fp8_r[name]["fp8_scale"]), name
