@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_fp8.recipe import FP8_MAX, FP8Recipe, amax_to_scale
 from lightning_fp8.scaling import FP8State, record_cast
+from lightning_fp8.triton_cast import triton_cast_with_statistics, use_triton
 
 
 def saturated_cast(x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -44,8 +45,11 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor) -> Tensor:
 def cast_with_statistics(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(saturated_cast(x * scale), [nonzero, overflow, underflow])``: the one dispatch point for casts.
 
-    ``scale`` is a float32 tensor broadcastable to ``x`` (0-d, or per row/column).
+    ``scale`` is a float32 tensor broadcastable to ``x`` (0-d, or per row/column). On CUDA, outside
+    ``torch.compile``, this runs the fused Triton kernel of :mod:`lightning_fp8.triton_cast` (same bits).
     """
+    if use_triton(x):
+        return triton_cast_with_statistics(x, scale, fp8_dtype)
     x_scaled = x.to(torch.float32) * scale
     data = saturated_cast(x_scaled, fp8_dtype)
     return data, cast_statistics(x, x_scaled, data)

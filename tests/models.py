@@ -64,7 +64,7 @@ class TinyDecoder(L.LightningModule):
         seq_len: int = 32,
         lr: float = 3e-3,
         activation_checkpointing: bool = False,
-        fused_adam: bool = False,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -75,7 +75,7 @@ class TinyDecoder(L.LightningModule):
         self.lm_head = nn.Linear(dim, 256, bias=False)
         self.lr = lr
         self.activation_checkpointing = activation_checkpointing
-        self.fused_adam = fused_adam
+        self.optimizer_name = optimizer
         self.inject_nan_at_step: int | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,9 @@ class TinyDecoder(L.LightningModule):
         self.log("val_ppl", math.e ** loss.detach())
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.fused_adam or None)
+        if self.optimizer_name == "sgd":  # no host syncs of its own (AdamW without fused/capturable has one per tensor)
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.optimizer_name == "adamw_fused" or None)
 
 
 def loader(seq_len: int = 32, batch_size: int = 8, n: int = 40_000) -> torch.utils.data.DataLoader:
