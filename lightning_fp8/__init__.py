@@ -3,6 +3,7 @@
 Public API:
 
 * :class:`FP8Precision`: the Trainer precision plugin (``lightning_fp8.fabric.FP8Precision`` for Fabric);
+* :class:`FP8StatsCallback`: FP8 health statistics to any Lightning logger;
 * :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
 * :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
 * :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
@@ -10,6 +11,7 @@ Public API:
   FP8 state of a model.
 """
 
+from lightning_fp8.callbacks import FP8StatsCallback
 from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to_fp8
 from lightning_fp8.gemm import gemm_path
 from lightning_fp8.linear import FP8Linear, fp8_autocast, is_fp8_autocast_enabled
@@ -23,6 +25,7 @@ __all__ = [
     "ConversionReport",
     "FP8Linear",
     "FP8Precision",
+    "FP8StatsCallback",
     "FP8Recipe",
     "convert_from_fp8",
     "convert_to_fp8",
