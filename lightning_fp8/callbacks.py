@@ -173,7 +173,8 @@ class FP8StatsCallback(Callback):
             return flat
         world = dist.get_world_size()
         gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, flat)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(gathered, flat)
         gathered = gathered.view(world, -1)
         assert self._kinds is not None
         return torch.where(

@@ -126,13 +126,15 @@ def convert_to_fp8(
     for name, child in module.named_modules():
         for child_name, grandchild in child.named_children():
             parents[f"{name}.{child_name}" if name else child_name] = child
+    # Check every existing FP8 layer before converting anything: a mismatch leaves the model untouched.
+    for name, child in module.named_modules():
+        if isinstance(child, FP8Linear) and child.fp8_recipe != recipe:
+            raise ValueError(
+                f"Layer {name or '<root>'!r} is already FP8 with recipe {child.fp8_recipe} and cannot be "
+                f"converted again with {recipe}; call convert_from_fp8 first."
+            )
     for name, child in module.named_modules():
         if isinstance(child, FP8Linear):
-            if child.fp8_recipe != recipe:
-                raise ValueError(
-                    f"Layer {name or '<root>'!r} is already FP8 with recipe {child.fp8_recipe} and cannot be "
-                    f"converted again with {recipe}; call convert_from_fp8 first."
-                )
             report.already_fp8.append(name)
         elif isinstance(child, nn.Linear):
             reason = _skip_reason(name, child, parents.get(name), exclude, skip_unaligned)

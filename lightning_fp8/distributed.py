@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fp8.scaling import fp8_modules
+from lightning_fp8.scaling import STATE_BUFFERS, fp8_modules
 
 
 @torch.no_grad()
@@ -37,3 +37,18 @@ def all_reduce_pending_amax(model: nn.Module, group: dist.ProcessGroup | None = 
     dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
     for module, reduced in zip(modules, pending.unbind(0)):
         module.fp8_amax_pending.copy_(reduced)
+
+
+def keep_fp8_state_local_under_ddp(model: nn.Module) -> list[str]:
+    """Stop DDP from broadcasting the FP8 state buffers from rank 0 before every forward.
+
+    DDP's ``broadcast_buffers=True`` (its default) copies every buffer of rank 0 to all ranks, which
+    would overwrite each rank's overflow/underflow counters (the stats callback then counts rank 0
+    twice) and resend the whole state every step. The amax histories are kept equal by
+    :func:`all_reduce_pending_amax` instead. Must run before ``DistributedDataParallel(model)`` (the
+    precision plugin's ``convert_module`` does). Returns the buffer names added to DDP's ignore list.
+    """
+    names = [f"{prefix}.{buf}" if prefix else buf for prefix, m in fp8_modules(model).items() for buf in STATE_BUFFERS]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
+    return names

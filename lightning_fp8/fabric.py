@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_fp8.convert import ConversionReport, convert_to_fp8
-from lightning_fp8.distributed import all_reduce_pending_amax
+from lightning_fp8.distributed import all_reduce_pending_amax, keep_fp8_state_local_under_ddp
 from lightning_fp8.gemm import describe_gemm_path
 from lightning_fp8.linear import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
@@ -169,6 +169,7 @@ class FP8Precision(MixedPrecision):
                 "FP8Precision found no layer that can run in FP8 (" + reasons + "). Refusing to train silently in "
                 "high precision: remove the plugin, or adjust `exclude` / `skip_unaligned`."
             )
+        keep_fp8_state_local_under_ddp(module)
         self._model = module
         self.report = report
         self._announced = False

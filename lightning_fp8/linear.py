@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lightning_fp8.cast import quantize_rowwise, quantize_tensorwise
 from lightning_fp8.gemm import fp8_mm
 from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, FP8Recipe, resolve_recipe
-from lightning_fp8.scaling import FP8State, init_state, state_of
+from lightning_fp8.scaling import STATE_BUFFERS, FP8State, init_state, state_of
 
 _GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,6 +75,14 @@ def _in_backward() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def _in_inference_mode() -> bool:
+    # Inference never moves the FP8 state, even in training mode. (Dynamo cannot trace this query; a
+    # compiled graph follows ``module.training`` alone.)
+    if torch.compiler.is_compiling():
+        return False
+    return torch.is_inference_mode_enabled()
 
 
 def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,9 +201,9 @@ class FP8Linear(nn.Linear):
         recipe: an :class:`~lightning_fp8.FP8Recipe` or a recipe name (default ``"tensorwise"``).
 
     Statistics and (in standalone use) amax histories are updated only in training mode
-    (``module.training``); evaluation casts use the current scales and leave the state untouched,
-    so validation never shifts a ``delayed`` scale. An activation-checkpointing recomputation does
-    not record statistics a second time.
+    (``module.training``) and never under ``torch.inference_mode()``; evaluation casts use the
+    current scales and leave the state untouched, so validation never shifts a ``delayed`` scale.
+    An activation-checkpointing recomputation does not record statistics a second time.
     """
 
     fp8_recipe: FP8Recipe
@@ -234,7 +242,7 @@ class FP8Linear(nn.Linear):
         device_type = input.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
         x2d = input.reshape(-1, self.in_features).contiguous()
-        update = self.training and not _in_backward()
+        update = self.training and not _in_inference_mode() and not _in_backward()
         roll = not _AUTOCAST.defer_amax_history_roll
         state, recipe = state_of(self), self.fp8_recipe
         if recipe.name == "rowwise":
@@ -251,6 +259,19 @@ class FP8Linear(nn.Linear):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FP8Linear:
+        # The FP8 state keeps its dtypes (float32 scales and amaxes, int64 counters) and follows only the
+        # device: ``module.to(torch.bfloat16)``, ``.half()`` or ``.double()`` cast the parameters, not the
+        # state (a bf16 scale is not the recipe's scale; a float64 one breaks the GEMM contract).
+        state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buf in state.items():
+                moved = fn(buf)
+                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(device=moved.device)
+        return self
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.fp8_recipe.name}, fp8_format={self.fp8_recipe.fp8_format}"

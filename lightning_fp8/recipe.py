@@ -16,7 +16,7 @@ Recipes
 ``tensorwise`` (current scaling, default)
     One scale per tensor, computed from the tensor being cast::
 
-        scale = fp8_max / max(amax(|x|), eps)            (computed in float64, stored as float32)
+        scale = fp8_max / max(amax(|x|), eps)   (in float64, rounded toward zero to float32)
 
 ``delayed`` (Transformer Engine semantics)
     One scale per tensor, computed from a ring buffer of the last ``amax_history_len`` amaxes::
@@ -145,16 +145,22 @@ def resolve_recipe(recipe: FP8Recipe | str | None, **overrides: object) -> FP8Re
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0, power_of_2: bool = False) -> torch.Tensor:
-    """``scale = fp8_max / max(amax, eps) / 2**margin``, in float64 then stored as float32.
+    """``scale = fp8_max / max(amax, eps) / 2**margin``, in float64, rounded toward zero to float32.
 
     Computing the reciprocal in float64 makes eager and ``torch.compile`` agree bit for bit (they round
-    a float32 division differently). A NaN amax gives a NaN scale, an infinite amax a zero scale;
-    callers decide what to do with those.
+    a float32 division differently). Rounding toward zero keeps ``amax * scale <= fp8_max`` in float32
+    arithmetic, so the tensor's own amax is never counted as an overflow (round-to-nearest pushes it
+    one ulp past ``fp8_max`` in a few percent of casts). A NaN amax gives a NaN scale, an infinite
+    amax a zero scale; callers decide what to do with those.
     """
-    scale = fp8_max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)
+    exact = fp8_max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)
     if margin:
-        scale = scale / (2.0**margin)
-    scale = scale.to(torch.float32)
+        exact = exact / (2.0**margin)
+    scale = exact.to(torch.float32)
+    scale = torch.where(scale.to(torch.float64) > exact, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        rounded = torch.exp2(torch.floor(torch.log2(scale)))
+        # float32 log2 rounds a scale just below 2**k up to exactly k: step back so the result is never
+        # above the scale (a larger scale would push the amax past fp8_max and count it as an overflow).
+        scale = torch.where(rounded > scale, rounded * 0.5, rounded)
     return scale
