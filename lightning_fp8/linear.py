@@ -113,7 +113,11 @@ class _TensorwiseFn(torch.autograd.Function):
         out_dtype: torch.dtype,
     ) -> Tensor:
         out = fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale, _gemm_dtype(out_dtype), use_fast_accum=True)
-        ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale)
+        # Save only what the needed gradients use: x for grad_weight, W for grad_input.
+        need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(
+            x_fp8 if need_weight_grad else None, x_scale, w_fp8 if need_input_grad else None, w_scale
+        )
         ctx.state, ctx.recipe, ctx.update, ctx.roll = state, recipe, update, roll
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         return out.to(out_dtype)
@@ -151,7 +155,8 @@ class _RowwiseFn(torch.autograd.Function):
         x_fp8, x_scale = quantize_rowwise(x2d, -1, E4M3, record, recipe, INPUT, roll)
         w_fp8, w_scale = quantize_rowwise(weight, -1, E4M3, record, recipe, WEIGHT, roll)
         out = fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale.t().contiguous(), torch.bfloat16, use_fast_accum=True)
-        ctx.save_for_backward(x2d, weight)
+        ctx.save_for_backward(x2d if ctx.needs_input_grad[1] else None, weight)
+        ctx.x_dtype = x2d.dtype
         ctx.state, ctx.recipe, ctx.update, ctx.roll = state, recipe, update, roll
         return out.to(out_dtype)
 
@@ -164,7 +169,7 @@ class _RowwiseFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             go_fp8, go_scale = quantize_rowwise(grad_out, -1, E4M3, record, ctx.recipe, GRAD_OUTPUT, ctx.roll)
             w_fp8, w_scale = quantize_rowwise(weight, 0, E4M3)
-            grad_input = fp8_mm(go_fp8, _column_major(w_fp8), go_scale, w_scale, torch.bfloat16).to(x2d.dtype)
+            grad_input = fp8_mm(go_fp8, _column_major(w_fp8), go_scale, w_scale, torch.bfloat16).to(ctx.x_dtype)
             record = None
         if ctx.needs_input_grad[1]:
             go_fp8, go_scale = quantize_rowwise(grad_out, 0, E4M3, record, ctx.recipe, GRAD_OUTPUT, ctx.roll)
