@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.precision.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
@@ -78,15 +79,26 @@ class FP8Precision(MixedPrecision, FabricFP8Precision):
         if skip_backward:
             self._after_closure(model, optimizer)
             return closure_result
-        if self.scaler is not None and self.scaler._scale is not None:
-            # Unscale before on_before_optimizer_step and clipping. Also fine for fused optimizers: the
-            # scaler then hands them `found_inf` and no `grad_scale`, still without a host sync.
-            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        # Unscale before on_before_optimizer_step and clipping. Also fine for fused optimizers: the
+        # scaler then hands them `found_inf` and no `grad_scale`, still without a host sync.
+        self._unscale_once(optimizer)
         self._after_closure(model, optimizer)
         return self._step(optimizer, **kwargs)
 
+    def _unscale_once(self, optimizer: Any) -> None:
+        """Unscale ``optimizer``'s gradients unless that already happened since the last scaler update."""
+        scaler = self.scaler
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer in manual optimization
+        if scaler is None or scaler._scale is None:
+            return
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            scaler.unscale_(optimizer)
+
     def clip_gradients(self, optimizer: Optimizer, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        """Clip the already unscaled gradients (any optimizer, fused ones included)."""
+        """Clip unscaled gradients (any optimizer, fused ones included). In manual optimization,
+        ``self.clip_gradients`` runs before ``optimizer.step()``: the gradients are unscaled here first."""
+        if clip_val:
+            self._unscale_once(optimizer)
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
         Precision.clip_gradients(self, optimizer, clip_val=clip_val, **kwargs)
 

@@ -347,6 +347,7 @@ class ManualTwoOptimizers(TinyDecoder):
     def __init__(self):
         super().__init__()
         self.automatic_optimization = False
+        self.clipped_norms = []
 
     def training_step(self, batch, batch_idx):
         opt_body, opt_head = self.optimizers()
@@ -356,6 +357,9 @@ class ManualTwoOptimizers(TinyDecoder):
         self.manual_backward(loss)
         self.clip_gradients(opt_body, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
         opt_body.step()
+        # After the step the gradients are unscaled whichever way: clipping must have seen them unscaled.
+        body = [p.grad for n, p in self.named_parameters() if not n.startswith("lm_head")]
+        self.clipped_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in body])).item())
         opt_head.step()
         for scheduler in self.lr_schedulers():
             scheduler.step()
@@ -383,6 +387,8 @@ def test_manual_optimization_two_optimizers_and_schedulers():
     # Two optimizer steps per batch, but the history rolls once per batch (4 batches).
     assert filled(model.blocks[0].qkv, 0) == 4
     assert model.optimizers()[0].param_groups[0]["lr"] < 3e-3  # schedulers stepped
+    # self.clip_gradients clipped the unscaled gradients (scaled ones would end up ~1/65536 after unscaling).
+    assert all(0.05 < n <= 1.0 + 1e-4 for n in model.clipped_norms), model.clipped_norms
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
