@@ -178,8 +178,10 @@ class FP8Precision(MixedPrecision):
             self._pending_state = None
         return module
 
-    def _check_strategy(self, module: nn.Module) -> None:
-        """Fabric: refuse sharded modules, which this plugin cannot serve yet."""
+    def _check_strategy(self, module: nn.Module | None) -> None:
+        """Refuse sharded modules (FSDP, FSDP2 / DTensor parameters), which this plugin cannot serve yet."""
+        if module is None:
+            return
         if any(type(p).__name__ == "DTensor" for p in module.parameters()) or any(
             "FullyShardedDataParallel" in type(m).__name__ or type(m).__name__.startswith("FSDP") for m in module.modules()
         ):
@@ -195,9 +197,12 @@ class FP8Precision(MixedPrecision):
         return torch.device("cpu")
 
     def announce(self) -> None:
-        """Log, on rank 0 and once per setup, the one line that confirms FP8 is active."""
+        """Log, on rank 0 and once per setup, the one line that confirms FP8 is active (Trainer: at
+        ``connect``; Fabric: at the first forward, once the model is on its device and wrapped)."""
         if self._announced or self.report is None:
             return
+        # Fabric wraps the module for its strategy after convert_module: check the result once here.
+        self._check_strategy(self._model)
         self._announced = True
         device = self._device()
         self.report.device = str(device)
