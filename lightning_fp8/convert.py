@@ -159,6 +159,7 @@ def convert_from_fp8(module: nn.Module) -> list[str]:
         if isinstance(child, FP8Linear):
             remove_state(child)
             del child.fp8_recipe
+            child.__dict__.pop("_fp8_forward_enabled", None)
             child.__class__ = nn.Linear
             names.append(name)
     return names

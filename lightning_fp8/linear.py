@@ -239,7 +239,15 @@ class FP8Linear(nn.Linear):
         return linear  # type: ignore[return-value]
 
     def forward(self, input: Tensor) -> Tensor:
-        if not _AUTOCAST.enabled:
+        enabled = _AUTOCAST.enabled
+        if not torch.compiler.is_compiling():
+            if _in_backward():
+                # An activation-checkpointing recomputation runs in the backward pass, usually outside the
+                # region: it must take the path of the original forward (or autograd sees other tensors).
+                enabled = getattr(self, "_fp8_forward_enabled", enabled)
+            else:
+                self._fp8_forward_enabled = enabled
+        if not enabled:
             return F.linear(input, self.weight, self.bias)
         _check_input(input)
         if input.numel() == 0:

@@ -1,0 +1,190 @@
+"""The saturating FP8 cast and its statistics, against the torch reference cast and torchao."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torchao.float8.float8_utils import to_fp8_saturated
+
+from lightning_fp8 import FP8Recipe
+from lightning_fp8.cast import (
+    cast_statistics,
+    cast_with_statistics,
+    quantize_rowwise,
+    quantize_tensorwise,
+    saturated_cast,
+)
+from lightning_fp8.recipe import E4M3, E5M2, FP8_MAX, INPUT, amax_to_scale
+from lightning_fp8.scaling import NONZERO, OVERFLOW, SEEN, UNDERFLOW, init_state, state_of
+
+FORMATS = [E4M3, E5M2]
+#: smallest positive subnormal of each format: 2**-9 (E4M3), 2**-16 (E5M2)
+MIN_SUBNORMAL = {E4M3: 2.0**-9, E5M2: 2.0**-16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _torch_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m = FP8_MAX[dtype]
+    return (x.float() * scale).clamp(-m, m).to(dtype)
+
+
+def _wide_data(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Finite float32 values from far below the smallest subnormal to far beyond the maximum."""
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    lo = math.log2(MIN_SUBNORMAL[dtype]) - 4
+    hi = math.log2(FP8_MAX[dtype]) + 4
+    exps = torch.rand(n, generator=g) * (hi - lo) + lo
+    x = sign * torch.exp2(exps)
+    m, sub = FP8_MAX[dtype], MIN_SUBNORMAL[dtype]
+    exact = torch.tensor([0.0, -0.0, m, -m, m * 1.01, -m * 1.01, sub, -sub, sub / 2, -sub / 2, sub * 0.51, 3e38, -3e38])
+    return torch.cat([x, exact])
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.1e3])
+def test_saturated_cast_matches_torch_reference_bitwise(dtype, scale):
+    x = _wide_data(20000, dtype, seed=1) / scale  # so that x * scale covers the whole range
+    x = x[torch.isfinite(x)]  # 3e38 / 0.37 overflows float32; non-finite inputs are tested below
+    s = torch.tensor(scale, dtype=torch.float32)
+    assert torch.isfinite(x * s).all()
+    got = saturated_cast(x * s, dtype)
+    ref = _torch_reference(x, s, dtype)
+    assert got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(ref))
+    # and with the scale folded in by the dispatch point
+    data, _ = cast_with_statistics(x, s, dtype)
+    assert torch.equal(_bits(data), _bits(ref))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_saturated_cast_matches_torchao(dtype):
+    x = _wide_data(20000, dtype, seed=2)
+    assert torch.equal(_bits(saturated_cast(x, dtype)), _bits(to_fp8_saturated(x, dtype)))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_saturation_and_round_trip(dtype):
+    m = FP8_MAX[dtype]
+    x = torch.tensor([m * 2, -m * 2, 3e38, -3e38, m, -m])
+    got = saturated_cast(x, dtype).float()
+    assert got.tolist() == [m, -m, m, -m, m, -m]
+    # every finite FP8 value survives fp8 -> float32 -> fp8 unchanged
+    all_bits = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = torch.isfinite(all_bits.float())
+    values = all_bits[finite]
+    assert torch.equal(_bits(saturated_cast(values.float(), dtype)), _bits(values))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_becomes_nan(dtype, src_dtype):
+    x = torch.tensor([math.nan, math.inf, -math.inf, 1.0, -2.0], dtype=src_dtype)
+    data, counts = cast_with_statistics(x, torch.tensor(1.0), dtype)
+    f = data.float()
+    assert torch.isnan(f[:3]).all()
+    assert f[3:].tolist() == [1.0, -2.0]
+    assert counts.tolist() == [5, 3, 0]  # nonzero (NaN != 0), overflow (not |x| <= max), underflow
+
+
+def _independent_counts(x: torch.Tensor, scale: float, dtype: torch.dtype) -> list[int]:
+    """[nonzero, overflow, underflow] from the definitions, in float64 on Python-side logic."""
+    v = x.double() * scale
+    nonzero = x.double() != 0
+    overflow = ~(v.abs() <= FP8_MAX[dtype])  # saturated, or NaN/Inf
+    # round-to-nearest-even flushes |v| <= half the smallest subnormal to zero (the tie goes to even 0)
+    underflow = nonzero & (v.abs() <= MIN_SUBNORMAL[dtype] / 2)
+    return [int(nonzero.sum()), int(overflow.sum()), int(underflow.sum())]
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 2.0**-5, 2.0**7])
+def test_statistics_match_independent_counts(dtype, scale):
+    # power-of-two scales keep x * scale exact in float32, so the float64 logic is an exact reference
+    x = _wide_data(30000, dtype, seed=3) / scale
+    x[::97] = 0.0
+    x[5::101] = math.nan
+    x[7::103] = math.inf
+    data, counts = cast_with_statistics(x, torch.tensor(scale), dtype)
+    expected = _independent_counts(x, scale, dtype)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == expected
+    assert all(c > 0 for c in expected)  # the data exercises every counter
+    # and the cast agrees with the counts: overflowed finite values sit at ±max, underflowed at ±0
+    f = data.float().double()
+    v = x.double() * scale
+    assert (f[torch.isfinite(v) & (v.abs() > FP8_MAX[dtype])].abs() == FP8_MAX[dtype]).all()
+    assert ((f == 0) & (x != 0)).sum().item() == expected[2]
+
+
+def test_cast_statistics_on_handmade_tensor():
+    x = torch.tensor([0.0, 1.0, 500.0, -1000.0, 1e-4, -1e-5, 2.0**-10, 2.0**-10 * 1.01, math.nan])
+    xs = x * 1.0
+    data = saturated_cast(xs, E4M3)
+    # nonzero: 8; overflow: 500, -1000, NaN; underflow: 1e-4, -1e-5, 2**-10 (tie to even zero)
+    assert cast_statistics(x, xs, data).tolist() == [8, 3, 3]
+
+
+def test_quantize_tensorwise_records_state():
+    recipe = FP8Recipe()
+    m = torch.nn.Module()
+    init_state(m, recipe)
+    st = state_of(m)
+    x = torch.randn(64, 32) * 3
+    x[0, 0] = 1e-30
+    data, scale = quantize_tensorwise(x, st, recipe, INPUT, update=True, roll=True)
+    amax = x.abs().max()
+    assert torch.equal(scale, amax_to_scale(amax, 448.0))
+    assert torch.equal(_bits(data), _bits(_torch_reference(x, scale, E4M3)))
+    assert m.fp8_scale[INPUT] == scale
+    assert m.fp8_amax_history[INPUT, 0] == amax and (m.fp8_amax_history[INPUT, 1:] == 0).all()
+    assert m.fp8_counts[INPUT, SEEN] == x.numel()
+    assert m.fp8_counts[INPUT, NONZERO] == x.numel()
+    assert m.fp8_counts[INPUT, OVERFLOW] == 0
+    assert m.fp8_counts[INPUT, UNDERFLOW] == 1
+    # without update nothing changes
+    before = {k: v.clone() for k, v in m.named_buffers()}
+    quantize_tensorwise(x * 5, st, recipe, INPUT, update=False, roll=True)
+    assert all(torch.equal(before[k], v) for k, v in m.named_buffers())
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_quantize_rowwise(dim):
+    x = torch.randn(24, 40) * torch.logspace(-3, 3, 40)
+    data, scale = quantize_rowwise(x, dim, E4M3)
+    assert scale.shape == ((24, 1) if dim == -1 else (1, 40))
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    # power-of-two scale per slice, rounded down: amax * scale in (fp8_max/2, fp8_max]
+    assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+    scaled_amax = amax * scale
+    assert (scaled_amax <= 448).all() and (scaled_amax > 224).all()
+    assert torch.equal(_bits(data), _bits(_torch_reference(x, scale, E4M3)))
+
+
+def test_quantize_rowwise_zero_row():
+    x = torch.randn(4, 32)
+    x[2] = 0
+    data, scale = quantize_rowwise(x, -1, E4M3)
+    assert torch.isfinite(scale).all()
+    assert (data[2].float() == 0).all()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_current_scaling_reports_no_overflow(recipe):
+    """With the tensor's own amax, nothing saturates: the overflow counter must stay at zero."""
+    r = FP8Recipe(name=recipe)
+    m = torch.nn.Module()
+    init_state(m, r)
+    st = state_of(m)
+    g = torch.Generator().manual_seed(5)
+    for i in range(300):
+        x = torch.randn(32, 32, generator=g) * 10.0 ** torch.randn((), generator=g)
+        m.fp8_initialized.zero_()  # delayed: use the current amax every time
+        quantize_tensorwise(x, st, r, INPUT, update=True, roll=True)
+    assert m.fp8_counts[INPUT, OVERFLOW].item() == 0
+    assert m.fp8_counts[INPUT, SEEN].item() == 300 * 32 * 32

@@ -1,0 +1,344 @@
+"""Device-side FP8 state: buffers, export/import, amax history, delayed scaling."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_fp8 as lf
+from lightning_fp8 import FP8Linear, FP8Recipe
+from lightning_fp8 import cast as cast_module
+from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT
+from lightning_fp8.scaling import COUNT_FIELDS, STATE_BUFFERS
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _scale(fp8_max: float, amax: torch.Tensor | float, margin: int = 0) -> float:
+    """fp8_max / amax / 2**margin in float64, rounded toward zero to float32 (the documented formula)."""
+    value = fp8_max / float(amax.detach() if isinstance(amax, torch.Tensor) else amax) / 2.0**margin
+    t = torch.tensor(value, dtype=torch.float64).to(torch.float32)
+    if t.item() > value:
+        t = torch.nextafter(t, torch.tensor(0.0))
+    return t.item()
+
+
+def _step(model, x, grad, **autocast_kwargs):
+    x = x.detach().clone().requires_grad_()
+    with lf.fp8_autocast(**autocast_kwargs):
+        y = model(x)
+    y.backward(grad)
+    return y.detach()
+
+
+@pytest.fixture
+def used_scales(monkeypatch):
+    """The scales actually used by every cast, in call order (input, weight, then grad_output)."""
+    seen: list[torch.Tensor] = []
+    original = cast_module.cast_with_statistics
+
+    def spy(x, scale, fp8_dtype):
+        seen.append(scale.detach().clone())
+        return original(x, scale, fp8_dtype)
+
+    monkeypatch.setattr(cast_module, "cast_with_statistics", spy)
+    return seen
+
+
+def _model(recipe="tensorwise"):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    lf.convert_to_fp8(model, recipe=recipe)
+    return model
+
+
+# --- buffers ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_state_buffers_not_in_state_dict(recipe):
+    plain = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    model = copy.deepcopy(plain)
+    lf.convert_to_fp8(model, recipe=FP8Recipe(name=recipe, amax_history_len=5))
+    layer = model[0]
+    shapes = {name: tuple(getattr(layer, name).shape) for name in STATE_BUFFERS}
+    assert shapes == {
+        "fp8_scale": (3,),
+        "fp8_amax_history": (3, 5),
+        "fp8_amax_pending": (3,),
+        "fp8_counts": (3, len(COUNT_FIELDS)),
+        "fp8_initialized": (3,),
+    }
+    assert [str(getattr(layer, n).dtype) for n in STATE_BUFFERS] == [
+        "torch.float32",
+        "torch.float32",
+        "torch.float32",
+        "torch.int64",
+        "torch.bool",
+    ]
+    assert list(model.state_dict()) == list(plain.state_dict())
+    # checkpoints move both ways between plain and converted models
+    plain.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(plain.state_dict(), strict=True)
+
+
+def test_state_keeps_dtype_and_follows_device():
+    layer = FP8Linear(32, 16, recipe="delayed")
+    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double(), lambda m: m.float()):
+        convert(layer)
+        assert [getattr(layer, n).dtype for n in STATE_BUFFERS] == [
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            torch.int64,
+            torch.bool,
+        ]
+    layer.to(torch.bfloat16)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    _step(layer, x, torch.randn(8, 16, dtype=torch.bfloat16))
+    # the scale is the recipe's float32 scale, not a bf16-rounded one
+    assert layer.fp8_scale[INPUT].item() == _scale(E4M3_MAX, x.float().abs().max())
+    meta = copy.deepcopy(layer).to(device="meta", dtype=torch.float16)
+    assert all(getattr(meta, n).device.type == "meta" for n in STATE_BUFFERS)
+    assert meta.weight.dtype == torch.float16 and meta.fp8_scale.dtype == torch.float32
+
+
+# --- export / import -------------------------------------------------------------------------------------
+
+
+def _plain_values_only(obj) -> bool:
+    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (bool, int, float, str)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_plain_values_only(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, str) and _plain_values_only(v) for k, v in obj.items())
+    return False
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_fp8_state_dict_round_trip(recipe):
+    model = _model(recipe)
+    for i in range(3):
+        x = torch.randn(8, 32) * (i + 1)
+        x[0, 0] = 1e9  # some overflow for the counters
+        _step(model, x, torch.randn(8, 16))
+    state = lf.fp8_state_dict(model)
+    assert _plain_values_only(state)
+    assert set(state["layers"]) == {"0", "2"}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+
+    fresh = _model(recipe)
+    fresh.load_state_dict(model.state_dict())
+    lf.load_fp8_state_dict(fresh, loaded)
+    for name in ("0", "2"):
+        for b in STATE_BUFFERS:
+            got, want = getattr(fresh[int(name)], b), getattr(model[int(name)], b)
+            assert got.dtype == want.dtype and torch.equal(got, want), (name, b)
+    assert model[0].fp8_counts.sum() > 0 and (model[0].fp8_amax_history != 0).any()
+    # the export is a snapshot, not a view of the live buffers
+    _step(model, torch.randn(8, 32), torch.randn(8, 16))
+    assert not torch.equal(state["layers"]["0"]["fp8_counts"], model[0].fp8_counts)
+    # after loading, both models continue identically
+    x, g = torch.randn(8, 32), torch.randn(8, 16)
+    lf.load_fp8_state_dict(model, loaded)
+    assert torch.equal(_step(model, x, g), _step(fresh, x, g))
+
+
+def test_load_fp8_state_dict_recipe_mismatch():
+    state = lf.fp8_state_dict(_model("delayed"))
+    for other in ("tensorwise", FP8Recipe(name="delayed", margin=1), FP8Recipe(name="delayed", amax_history_len=4)):
+        model = _model(other)
+        before = copy.deepcopy(model)
+        with pytest.raises(ValueError, match="recipe"):
+            lf.load_fp8_state_dict(model, state)
+        for b in STATE_BUFFERS:
+            assert torch.equal(getattr(model[0], b), getattr(before[0], b))
+
+
+def test_load_fp8_state_dict_strict():
+    source = _model()
+    state = lf.fp8_state_dict(source)
+    missing = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16), nn.Linear(16, 32))
+    lf.convert_to_fp8(missing)
+    with pytest.raises(ValueError, match=r"missing \['3'\]"):
+        lf.load_fp8_state_dict(missing, state)
+    lf.load_fp8_state_dict(missing, state, strict=False)
+
+    unexpected = _model()
+    lf.convert_from_fp8(unexpected[2])
+    with pytest.raises(ValueError, match=r"unexpected \['2'\]"):
+        lf.load_fp8_state_dict(unexpected, state)
+    _step(source, torch.randn(4, 32), torch.randn(4, 16))
+    lf.load_fp8_state_dict(unexpected, lf.fp8_state_dict(source), strict=False)
+    assert torch.equal(unexpected[0].fp8_counts, source[0].fp8_counts)
+
+
+def test_load_fp8_state_dict_unknown_version():
+    model = _model()
+    state = lf.fp8_state_dict(model)
+    with pytest.raises(ValueError, match="version"):
+        lf.load_fp8_state_dict(model, {**state, "version": 99})
+    with pytest.raises(ValueError):
+        lf.load_fp8_state_dict(model, [])  # type: ignore[arg-type]
+
+
+# --- amax history ----------------------------------------------------------------------------------------
+
+
+def test_standalone_layers_roll_every_cast():
+    layer = FP8Linear(32, 16, recipe=FP8Recipe(amax_history_len=3))
+    amaxes = []
+    for i in range(4):
+        x, g = torch.randn(8, 32) * (i + 1), torch.randn(8, 16) / (i + 1)
+        _step(layer, x, g)
+        amaxes.insert(0, [x.abs().max().item(), layer.weight.abs().max().item(), g.abs().max().item()])
+        expected = torch.tensor(amaxes[:3] + [[0.0] * 3] * (3 - len(amaxes[:3]))).t()
+        assert torch.equal(layer.fp8_amax_history, expected)
+        assert torch.equal(layer.fp8_amax_pending, torch.zeros(3))
+    counts = layer.fp8_counts
+    assert counts[:, 0].tolist() == [4 * 8 * 32, 4 * 32 * 16, 4 * 8 * 16]
+    assert counts[:, 1].tolist() == counts[:, 0].tolist()  # random data has no zeros
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_deferred_roll_keeps_max_pending(recipe):
+    model = _model(recipe)
+    xs = [torch.randn(8, 32) * s for s in (1.0, 4.0, 2.0)]
+    gs = [torch.randn(8, 16) * s for s in (3.0, 1.0, 2.0)]
+    for x, g in zip(xs, gs):
+        _step(model, x, g, defer_amax_history_roll=True)
+    layer = model[0]
+    assert torch.equal(layer.fp8_amax_history, torch.zeros_like(layer.fp8_amax_history))
+    assert layer.fp8_amax_pending[INPUT] == max(x.abs().max() for x in xs)
+    assert layer.fp8_amax_pending[WEIGHT] == layer.weight.abs().max()
+    assert (model[2].fp8_amax_pending[GRAD_OUTPUT] == max(g.abs().max() for g in gs)).item()
+    pending = layer.fp8_amax_pending.clone()
+    lf.roll_amax_history(model)
+    assert torch.equal(layer.fp8_amax_history[:, 0], pending)
+    assert torch.equal(layer.fp8_amax_history[:, 1:], torch.zeros_like(layer.fp8_amax_history[:, 1:]))
+    assert torch.equal(layer.fp8_amax_pending, torch.zeros(3))
+    assert layer.fp8_counts[INPUT, 0] == 3 * 8 * 32
+
+
+def test_deferred_delayed_window_shares_one_scale(used_scales):
+    layer = FP8Linear(32, 16, recipe="delayed")
+    window1 = [torch.randn(8, 32) * s for s in (1.0, 3.0)]
+    for x in window1:
+        _step(layer, x, torch.randn(8, 16), defer_amax_history_roll=True)
+    # empty history: each micro-batch uses its own current amax
+    assert [used_scales[i].item() for i in (0, 3)] == [_scale(E4M3_MAX, x.abs().max()) for x in window1]
+    assert not layer.fp8_initialized.any()
+    lf.roll_amax_history(layer)
+    assert layer.fp8_initialized.all()
+    used_scales.clear()
+    for s in (0.5, 0.25):
+        _step(layer, torch.randn(8, 32) * s, torch.randn(8, 16), defer_amax_history_roll=True)
+    expected = _scale(E4M3_MAX, max(x.abs().max() for x in window1))
+    assert used_scales[0].item() == used_scales[3].item() == expected
+
+
+# --- delayed scaling -------------------------------------------------------------------------------------
+
+
+def test_delayed_first_step_uses_current_amax(used_scales):
+    x, g = torch.randn(8, 32) * 7, torch.randn(8, 16) * 1e-3
+    delayed = FP8Linear(32, 16, recipe="delayed")
+    tensorwise = copy.deepcopy(delayed)
+    tensorwise.fp8_recipe = FP8Recipe()
+    y = _step(delayed, x, g)
+    input_scale, weight_scale, grad_scale = (s.item() for s in used_scales[:3])
+    assert input_scale == _scale(E4M3_MAX, x.abs().max()) != 1.0
+    assert weight_scale == _scale(E4M3_MAX, delayed.weight.abs().max())
+    assert grad_scale == _scale(E5M2_MAX, g.abs().max())
+    assert torch.equal(y, _step(tensorwise, x, g))
+
+
+@pytest.mark.parametrize(
+    ("algo", "length", "expected_amax_index"),
+    [
+        # amaxes of steps 0..3: a, 0.3a, 0.2a, 0.1a; the scale of step i comes from steps < i
+        ("max", 16, [0, 0, 0, 0]),
+        ("most_recent", 16, [0, 0, 1, 2]),
+        ("max", 2, [0, 0, 0, 1]),
+        ("max", 1, [0, 0, 1, 2]),
+    ],
+)
+def test_delayed_uses_history(used_scales, algo, length, expected_amax_index):
+    layer = FP8Linear(32, 16, recipe=FP8Recipe(name="delayed", amax_compute_algo=algo, amax_history_len=length))
+    base = torch.randn(8, 32)
+    factors = [1.0, 0.3, 0.2, 0.1]
+    amaxes = [(base * f).abs().max() for f in factors]
+    for f in factors:
+        _step(layer, base * f, torch.randn(8, 16))
+    used_input = [used_scales[3 * i].item() for i in range(4)]
+    assert used_input == [_scale(E4M3_MAX, amaxes[j]) for j in expected_amax_index]
+    # the stored scale is the one the next step will use
+    next_index = {"max": 0, "most_recent": 3}[algo] if length >= 4 else (2 if length == 2 else 3)
+    assert layer.fp8_scale[INPUT].item() == _scale(E4M3_MAX, amaxes[next_index])
+
+
+@pytest.mark.parametrize("margin", [1, 3])
+def test_delayed_margin(used_scales, margin):
+    layer = FP8Linear(32, 16, recipe=FP8Recipe(name="delayed", margin=margin))
+    x, g = torch.randn(8, 32), torch.randn(8, 16)
+    _step(layer, x, g)
+    _step(layer, x * 0.5, g)
+    for step in range(2):
+        assert used_scales[3 * step].item() == _scale(E4M3_MAX, x.abs().max(), margin)
+        assert used_scales[3 * step + 2].item() == _scale(E5M2_MAX, g.abs().max(), margin)
+    assert layer.fp8_scale[WEIGHT].item() == _scale(E4M3_MAX, layer.weight.abs().max(), margin)
+
+
+def test_tensorwise_ignores_margin_and_history(used_scales):
+    layer = FP8Linear(32, 16, recipe=FP8Recipe(name="tensorwise", margin=2))
+    x, g = torch.randn(8, 32), torch.randn(8, 16)
+    _step(layer, x, g)
+    _step(layer, x * 0.3, g)
+    assert used_scales[3].item() == _scale(E4M3_MAX, (x * 0.3).abs().max())
+
+
+@pytest.mark.parametrize(("algo", "length"), [("most_recent", 16), ("max", 1)])
+def test_delayed_zero_amax_keeps_previous_scale(used_scales, algo, length):
+    layer = FP8Linear(32, 16, recipe=FP8Recipe(name="delayed", amax_compute_algo=algo, amax_history_len=length))
+    x, g = torch.randn(8, 32), torch.randn(8, 16)
+    _step(layer, x, g)
+    previous = layer.fp8_scale.clone()
+    y = _step(layer, torch.zeros(8, 32), torch.zeros(8, 16))
+    assert torch.equal(y, layer.bias.detach().expand(8, 16))
+    assert torch.equal(layer.fp8_scale, previous)
+    used_scales.clear()
+    _step(layer, x * 0.5, g)
+    assert used_scales[0].item() == previous[INPUT].item() == _scale(E4M3_MAX, x.abs().max())
+    assert used_scales[2].item() == previous[GRAD_OUTPUT].item()
+    assert torch.isfinite(layer.fp8_scale).all()
+
+
+def test_delayed_all_zero_first_step_does_not_initialize():
+    layer = FP8Linear(32, 16, recipe="delayed")
+    _step(layer, torch.zeros(4, 32), torch.zeros(4, 16))
+    assert layer.fp8_initialized.tolist() == [False, True, False]  # the weight is not zero
+    x = torch.randn(4, 32)
+    _step(layer, x, torch.randn(4, 16))
+    assert layer.fp8_initialized.all()
+    assert layer.fp8_scale[INPUT].item() == _scale(E4M3_MAX, x.abs().max())
+
+
+def test_counts_accumulate_overflow_and_underflow():
+    layer = FP8Linear(32, 16, recipe="delayed")
+    x = torch.randn(8, 32)
+    _step(layer, x, torch.randn(8, 16))
+    x2 = x.clone()
+    x2[0, :4] = x.abs().max() * 100  # beyond the history's range: saturates
+    x2[1, :3] = x.abs().max() * 1e-6  # flushed to zero
+    x2[2, :2] = 0.0
+    before = layer.fp8_counts.clone()
+    _step(layer, x2, torch.randn(8, 16))
+    delta = (layer.fp8_counts - before)[INPUT].tolist()
+    assert delta == [256, 254, 4, 3]  # seen, nonzero, overflow, underflow
