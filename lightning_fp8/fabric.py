@@ -32,9 +32,7 @@ All behaviour is defined here, not inherited.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Literal
 
@@ -47,7 +45,6 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_fp8.convert import ConversionReport, convert_to_fp8
 from lightning_fp8.distributed import all_reduce_pending_amax, keep_fp8_state_local_under_ddp
-from lightning_fp8.gemm import describe_gemm_path
 from lightning_fp8.linear import fp8_autocast
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.scaling import fp8_state_dict, load_fp8_state_dict, roll_amax_history

@@ -15,26 +15,17 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from models import TinyDecoder, loader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from utils import SyncCounter
+from utils import SyncCounter, make_trainer
 
-import lightning_fp8 as lf
 from lightning_fp8 import FP8Precision, FP8StatsCallback
 
 
 def fit(tmp_path, callback, loggers, steps=12, recipe="delayed", model=None, **kwargs):
     torch.manual_seed(0)
     model = model or TinyDecoder()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        plugins=[FP8Precision(recipe=recipe)],
-        callbacks=[callback],
-        logger=loggers,
-        max_steps=steps,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **kwargs,
+    trainer = make_trainer(
+        FP8Precision(recipe=recipe), callbacks=[callback], logger=loggers, max_steps=steps,
+        default_root_dir=tmp_path, **kwargs,
     )
     trainer.fit(model, loader(n=8_000))
     return trainer, model
@@ -94,9 +85,9 @@ def test_checkpoint_and_early_stopping_can_monitor(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="fp8/worst/overflow_frac", every_n_train_steps=2)
     stop = EarlyStopping(monitor="fp8/loss_scale", mode="max", patience=1000, check_on_train_epoch_end=True)
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu", plugins=[FP8Precision()], callbacks=[callback, checkpoint, stop], logger=CSVLogger(tmp_path),
-        max_epochs=1, limit_train_batches=6, enable_progress_bar=False, enable_model_summary=False,
+    trainer = make_trainer(
+        FP8Precision(), callbacks=[callback, checkpoint, stop], logger=CSVLogger(tmp_path), max_epochs=1,
+        limit_train_batches=6, enable_checkpointing=True,
     )
     trainer.fit(TinyDecoder(), loader(n=8_000))
     assert checkpoint.best_model_path and os.path.exists(checkpoint.best_model_path)
@@ -177,9 +168,8 @@ def test_saturating_layer_raises_overflow_and_alert(tmp_path):
 
 def fit_inflated(tmp_path, callback, logger):
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu", plugins=[FP8Precision(recipe="delayed")], callbacks=[Inflate(), callback], logger=logger,
-        max_steps=9, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    trainer = make_trainer(
+        FP8Precision(recipe="delayed"), callbacks=[Inflate(), callback], logger=logger, max_steps=9
     )
     model = TinyDecoder()
     trainer.fit(model, loader(n=8_000))
@@ -200,10 +190,9 @@ def test_summary_table_printed_at_end(tmp_path, caplog):
 def test_callback_state_survives_resume(tmp_path):
     def run(callback, epochs, seed, ckpt_path=None, save=None):
         torch.manual_seed(seed)
-        trainer = L.Trainer(
-            accelerator="cpu", plugins=[FP8Precision(recipe="delayed")], callbacks=[callback],
-            logger=CSVLogger(tmp_path), max_epochs=epochs, limit_train_batches=5, enable_progress_bar=False,
-            enable_model_summary=False, enable_checkpointing=False,
+        trainer = make_trainer(
+            FP8Precision(recipe="delayed"), callbacks=[callback], logger=CSVLogger(tmp_path), max_epochs=epochs,
+            limit_train_batches=5,
         )
         trainer.fit(TinyDecoder(), loader(n=8_000), ckpt_path=ckpt_path)
         if save:

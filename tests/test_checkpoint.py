@@ -6,10 +6,10 @@ import os
 import subprocess
 import sys
 
-import lightning as L
 import pytest
 import torch
 from models import TinyDecoder, loader
+import utils
 
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Precision
@@ -18,17 +18,7 @@ N_DATA = 10 * 8 * 32 + 1  # 10 batches of 8 windows per epoch
 
 
 def make_trainer(plugin, epochs, **kwargs):
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[plugin],
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return utils.make_trainer(plugin, max_epochs=epochs, **kwargs)
 
 
 def fresh(seed=0):
@@ -118,10 +108,7 @@ def test_resume_with_other_history_length_is_a_clear_error(delayed_checkpoint):
 def test_bf16_checkpoint_resumes_in_fp8(tmp_path):
     """Documented conversion: a checkpoint without FP8 state starts the FP8 state fresh."""
     model = fresh()
-    trainer = L.Trainer(
-        accelerator="cpu", precision="bf16-mixed", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
+    trainer = utils.make_trainer(precision="bf16-mixed", max_epochs=1)
     trainer.fit(model, loader(n=N_DATA))
     trainer.save_checkpoint(tmp_path / "bf16.ckpt")
     resumed = fresh(1)

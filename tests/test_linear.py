@@ -13,7 +13,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Linear, FP8Recipe
-from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT
+from lightning_fp8.recipe import INPUT, WEIGHT
 from lightning_fp8.scaling import OVERFLOW, SEEN
 
 RECIPES = ["tensorwise", "delayed", "rowwise"]

@@ -12,26 +12,10 @@ import torch
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from models import TinyDecoder, loader
 from torch import nn
-from utils import SyncCounter
+from utils import SyncCounter, make_trainer
 
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Linear, FP8Precision
-
-
-def make_trainer(plugin=None, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    if plugin is not None:
-        defaults["plugins"] = [plugin]
-    return L.Trainer(**defaults)
 
 
 # ---------------------------------------------------------------- construction

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import lightning as L
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that copy a device value to the host (``.item()``, ``bool(tensor)``, ``.tolist()`` go through them).
@@ -23,3 +23,20 @@ class SyncCounter(TorchDispatchMode):
             self.count += 1
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def make_trainer(plugin=None, **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer: no progress bar, summary, checkpointing, sanity check, or logger unless given."""
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    if plugin is not None:
+        defaults["plugins"] = [plugin]
+    return L.Trainer(**defaults)
