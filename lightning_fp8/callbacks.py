@@ -113,6 +113,7 @@ class FP8StatsCallback(Callback):
         self.last_metrics: dict[str, float] = {}
         self._reset_counters()
         self._layout: list[tuple[str, int]] = []
+        self._recipes: dict[str, str] = {}
         self._kinds: Tensor | None = None
         self._warned_no_logger = False
 
@@ -192,6 +193,7 @@ class FP8StatsCallback(Callback):
         modules = self._modules(pl_module)
         if not modules:
             return None
+        self._recipes = {name: module.fp8_recipe.name for name, module in modules.items()}
         values = self._fetch(self._reduce(self._stack(modules, trainer.precision_plugin)))
         layers: dict[str, Any] = {}
         pos, n = 0, len(ROLES)
@@ -317,11 +319,14 @@ class FP8StatsCallback(Callback):
                     self._above[key] = self._above.get(key, 0) + 1
                     if self._above[key] >= self.alert_patience and key not in self._alerted:
                         self._alerted.add(key)
+                        if self._recipes.get(name) == "delayed":
+                            advice = "the delayed scale lags the tensor: try margin=1 or a shorter amax_history_len"
+                        else:
+                            advice = "with current scaling only NaN or Inf elements overflow: look for them upstream"
                         rank_zero_warn(
                             f"FP8: layer {name!r} ({role}) has overflowed on {frac:.2%} of its elements for "
-                            f"{self._above[key]} consecutive logs (threshold {self.overflow_alert_threshold:.2%}). "
-                            f"Consider the delayed recipe with a margin, or excluding the layer. See "
-                            f"{TROUBLESHOOTING}#overflows."
+                            f"{self._above[key]} consecutive logs (threshold {self.overflow_alert_threshold:.2%}); "
+                            f"{advice}, or exclude the layer. See {TROUBLESHOOTING}#overflows."
                         )
                 else:
                     self._above[key] = 0

@@ -77,7 +77,12 @@ class FP8Precision(MixedPrecision):
             With ``False`` evaluation runs in ``compute_dtype`` only.
         loss_scaling: dynamic loss scaling with ``torch.amp.GradScaler`` (default ``True``). Off, steps
             with non-finite gradients are not skipped.
-        init_scale, growth_factor, backoff_factor, growth_interval: the ``GradScaler`` settings.
+        init_scale: ``GradScaler`` setting: the initial loss scale (default ``2**16``).
+        growth_factor: ``GradScaler`` setting: the scale is multiplied by this after ``growth_interval``
+            consecutive steps with finite gradients (default ``2.0``).
+        backoff_factor: ``GradScaler`` setting: the scale is multiplied by this when a step is skipped for
+            non-finite gradients (default ``0.5``).
+        growth_interval: ``GradScaler`` setting: consecutive clean steps before the scale grows (default ``2000``).
 
     Raises:
         ValueError: for any invalid value, naming the field and the valid values.

@@ -49,8 +49,9 @@ def describe_gemm_path(device: torch.device | str) -> str:
     if gemm_path(device) == "native":
         return f"native FP8 GEMM (torch._scaled_mm) on {device}"
     return (
-        f"emulated FP8 GEMM on {device} (FP8 values and scales exactly as on FP8 hardware, products in bf16 "
-        "with float32 accumulation; numerics of FP8, speed of bf16)"
+        f"emulated FP8 GEMM on {device} (FP8 numerics exactly as on FP8 hardware, products on the bf16 path with "
+        "float32 accumulation; the casts come on top, so this is slower than bf16: no FP8 speedup without FP8 "
+        "tensor cores, compute capability 8.9+)"
     )
 
 

@@ -202,7 +202,11 @@ class FP8Linear(nn.Linear):
     layers into FP8Linear in place (same object, same Parameters).
 
     Args:
-        in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
+        in_features: size of each input sample, as for ``nn.Linear``.
+        out_features: size of each output sample, as for ``nn.Linear``.
+        bias: learn an additive bias, as for ``nn.Linear``.
+        device: device of the parameters (and of the FP8 state), as for ``nn.Linear``.
+        dtype: dtype of the parameters, as for ``nn.Linear`` (the FP8 state keeps its own dtypes).
         recipe: an :class:`~lightning_fp8.FP8Recipe` or a recipe name (default ``"tensorwise"``).
 
     Statistics and (in standalone use) amax histories are updated only in training mode

@@ -162,7 +162,7 @@ def test_saturating_layer_raises_overflow_and_alert(tmp_path):
     rows = [r for r in read_csv(os.path.join(logger.log_dir, "metrics.csv")) if r.get("fp8/loss_scale")]
     fracs = [float(r["fp8/blocks.0.fc/weight/overflow_frac"]) for r in rows]
     assert max(fracs[:3]) < 0.05 and min(fracs[-3:]) > 0.5, fracs
-    assert "troubleshooting" in str(record[-1].message)
+    assert "troubleshooting" in str(record[-1].message) and "margin=1" in str(record[-1].message)
     assert callback.summary_table().splitlines()[2].split()[:2] == ["blocks.0.fc", "weight"]  # worst first
 
 
