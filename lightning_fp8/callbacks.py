@@ -248,8 +248,8 @@ class FP8StatsCallback(Callback):
         self._alerts(layers)
         self._remember_heatmap(trainer.global_step, layers)
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-        for key, value in metrics.items():
-            trainer.callback_metrics[key] = torch.tensor(value)
+        # One read: each access of trainer.callback_metrics recomputes Lightning's result collection.
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
         for logger in trainer.loggers:
             sep = getattr(logger, "group_separator", "/")
             logger.log_metrics({k.replace("/", sep): v for k, v in metrics.items()}, step=step)

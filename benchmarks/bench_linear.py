@@ -1,0 +1,757 @@
+#!/usr/bin/env python
+"""Benchmark FP8Linear against nn.Linear (fp32, bf16 autocast) and torchao's Float8Linear, in one run.
+
+Usage::
+
+    python benchmarks/bench_linear.py [--quick] [--out benchmarks/RESULTS.md] [--no-compile]
+
+Sections (all numbers come from this one process, so the ratios compare like with like):
+
+1. bytes saved for backward by one layer (``torch.autograd.graph.saved_tensors_hooks``; tensors that
+   share storage with a parameter are not counted, each storage is counted once);
+2. forward+backward time per step of a transformer-block-like stack of Linear layers, eager (and
+   ``torch.compile`` (inductor) for bf16 and ours-tensorwise, within a compile-time budget);
+3. device-to-host synchronisations (``aten._local_scalar_dense``) and aten op count per fwd+bwd;
+4. the cost of our statistics: train mode (casts with per-cast counts + state updates) vs eval mode
+   (casts without any statistics, state untouched), through the public API, plus a micro-benchmark of
+   the internal cast functions.
+
+Speed is only meaningful as a ratio measured in the same run on the same machine; the result file
+records the machine and the versions. On a CPU the FP8 GEMMs are *emulated* (bf16 GEMMs plus the
+cost of the casts), so FP8 cannot be faster than bf16 here: the speed goal needs FP8 tensor cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_fp8 as lf
+
+logging.getLogger("torchao").setLevel(logging.ERROR)  # torchao warns about its CUDA-only extensions on import
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, "RESULTS.md")
+OURS_RECIPES = ("tensorwise", "delayed", "rowwise")
+COMPILE_BUDGET_S = 120.0
+
+
+# --------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    quick: bool
+    # section 1: one layer
+    mem_m: int = 8192
+    mem_k: int = 1024
+    mem_n: int = 1024
+    # section 2/3: the block stack
+    tokens: int = 2048
+    hidden: int = 1024
+    mlp_ratio: int = 4
+    blocks: int = 1
+    warmup: int = 1
+    reps: int = 7
+    # section 3: op and sync counts do not depend on the shapes; a small stack keeps it quick
+    sync_tokens: int = 256
+    sync_hidden: int = 256
+    # section 4: one layer timing
+    layer_m: int = 4096
+    layer_k: int = 1024
+    layer_n: int = 1024
+    layer_reps: int = 7
+    micro_reps: int = 20
+
+
+def make_config(quick: bool) -> Config:
+    if quick:
+        return Config(quick=True, tokens=1024, hidden=512, warmup=1, reps=3, layer_m=2048, layer_reps=3)
+    return Config(quick=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# environment
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    keep = [fl for fl in flags if fl.startswith(("amx", "avx512_bf16", "avx512f"))]
+                    return " ".join(sorted(keep)) or "none of amx/avx512"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def package_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "not installed"
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "lightning_fp8"], cwd=os.path.dirname(HERE),
+            capture_output=True, text=True,
+        ).stdout.strip()
+        return rev + (" (lightning_fp8/ has uncommitted changes)" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def environment() -> dict[str, str]:
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpu": cpu_model(),
+        "cpu flags": cpu_flags(),
+        "cores": f"{os.cpu_count()} logical CPUs, torch uses {torch.get_num_threads()} threads",
+        "load average at start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchao": package_version("torchao"),
+        "lightning": package_version("lightning"),
+        "lightning_fp8": f"{lf.__version__} (git {git_revision()})",
+        "GEMM path": f"{lf.gemm_path('cpu')}: {lf.gemm.describe_gemm_path('cpu')}",
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# variants
+
+
+def load_torchao() -> tuple[Callable[..., nn.Module], Any] | None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception:
+        return None
+    return convert_to_float8_training, Float8LinearConfig
+
+
+def torchao_config(recipe: str) -> Any:
+    _, Float8LinearConfig = load_torchao()  # type: ignore[misc]
+    # emulate=True: torchao's only way to run on CPU (dequantize to float32, torch.mm).
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    autocast: bool  # torch.autocast('cpu', bfloat16)
+    fp8: bool  # lightning_fp8.fp8_autocast()
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.autocast:
+                stack.enter_context(torch.autocast("cpu", torch.bfloat16))
+            if self.fp8:
+                stack.enter_context(lf.fp8_autocast())
+            yield
+
+
+def build_variant(kind: str, base: nn.Module) -> Variant:
+    """``base`` must be a container (torchao cannot convert a root nn.Linear in place)."""
+    model = copy.deepcopy(base)
+    if kind == "fp32":
+        return Variant("nn.Linear fp32", model, autocast=False, fp8=False)
+    if kind == "bf16":
+        return Variant("nn.Linear bf16 autocast", model, autocast=True, fp8=False)
+    if kind.startswith("torchao-"):
+        recipe = kind.split("-", 1)[1]
+        convert, _ = load_torchao()  # type: ignore[misc]
+        model = convert(model, config=torchao_config(recipe))
+        return Variant(f"torchao {recipe} (emulate)", model, autocast=True, fp8=False)
+    if kind.startswith("ours-"):
+        recipe = kind.split("-", 1)[1]
+        report = lf.convert_to_fp8(model, recipe=recipe)
+        assert report.converted, report.summary()
+        return Variant(f"ours {recipe}", model, autocast=True, fp8=True)
+    raise ValueError(kind)
+
+
+def available_kinds(with_fp32: bool, torchao_recipes: tuple[str, ...] = ("tensorwise", "rowwise")) -> list[str]:
+    kinds = (["fp32"] if with_fp32 else []) + ["bf16"]
+    if load_torchao() is not None:
+        kinds += [f"torchao-{r}" for r in torchao_recipes]
+    return kinds + [f"ours-{r}" for r in OURS_RECIPES]
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. bytes saved for backward
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if hasattr(t, "__tensor_flatten__"):  # tensor subclass (e.g. torchao's Float8TrainingTensor)
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    return [t.untyped_storage()]
+
+
+def saved_bytes(variant: Variant, x: torch.Tensor) -> tuple[int, list[str]]:
+    """Bytes of the distinct storages saved for backward by one forward, parameters excluded."""
+    params = {s.data_ptr() for p in variant.model.parameters() for s in _storages(p)}
+    seen: dict[int, int] = {}
+    described: list[str] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for s in _storages(t):
+            ptr = s.data_ptr()
+            if ptr in params or ptr in seen:
+                continue
+            seen[ptr] = s.nbytes()
+            described.append(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), variant.context():
+        out = variant.model(x)
+    del out
+    return sum(seen.values()), described
+
+
+def bench_saved_bytes(cfg: Config) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m, k, n = cfg.mem_m, cfg.mem_k, cfg.mem_n
+    base = nn.Sequential(nn.Linear(k, n))
+    scenarios = {
+        "A": ("inner layer: fp32 input requires grad, weight trainable", torch.float32, True, True),
+        "B": ("first layer: input does not require grad", torch.float32, False, True),
+        "C": ("frozen weight: input requires grad, weight.requires_grad=False", torch.float32, True, False),
+        "D": ("bf16 input (what torchao receives under CUDA autocast), requires grad", torch.bfloat16, True, True),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for kind in available_kinds(with_fp32=False):
+        rows[kind] = {}
+        for key, (_, dtype, x_grad, w_grad) in scenarios.items():
+            variant = build_variant(kind, base)
+            variant.model.requires_grad_(w_grad)
+            x = torch.randn(m, k, dtype=dtype).requires_grad_(x_grad)
+            nbytes, described = saved_bytes(variant, x)
+            rows[kind][key] = {"bytes": nbytes, "tensors": described, "name": variant.name}
+    return {"shape": (m, k, n), "scenarios": {k: v[0] for k, v in scenarios.items()}, "rows": rows}
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. fwd+bwd time of a block stack
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block in which attention is replaced by an elementwise gate, so that all
+    GEMMs are nn.Linear: qkv (h->3h), proj (h->h), fc1 (h->r*h), fc2 (r*h->h)."""
+
+    def __init__(self, hidden: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, mlp_ratio * hidden)
+        self.fc2 = nn.Linear(mlp_ratio * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(q * torch.sigmoid(k) + v)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def make_stack(cfg: Config) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(cfg.hidden, cfg.mlp_ratio) for _ in range(cfg.blocks)))
+
+
+def make_step(variant: Variant, x: torch.Tensor, model: nn.Module | None = None) -> Callable[[], None]:
+    model = model if model is not None else variant.model
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        with variant.context():
+            out = model(x)
+        out.float().pow(2).mean().backward()  # backward outside autocast, as Lightning does
+
+    return step
+
+
+def stack_flops(cfg: Config) -> float:
+    h, r = cfg.hidden, cfg.mlp_ratio
+    per_token = 2 * h * h * (3 + 1 + r + r)  # forward multiply-adds of the four Linear layers, x2
+    return 3 * per_token * cfg.tokens * cfg.blocks  # forward + two backward GEMMs
+
+
+def timed_round_robin(
+    steps: dict[str, Callable[[], None]], warmup: int, reps: int, cpu_times: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
+    """Warm up every step, then time them interleaved (rep-major) so that load drift hits all alike.
+
+    Returns wall-clock seconds per step; process CPU seconds (all threads) go to ``cpu_times`` if given.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(reps):
+        for key, step in steps.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            step()
+            times[key].append(time.perf_counter() - t0)
+            if cpu_times is not None:
+                cpu_times.setdefault(key, []).append(time.process_time() - c0)
+    return times
+
+
+def bench_step_time(cfg: Config, compile_kinds: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Eager variants, plus ``torch.compile`` (inductor) of ``compile_kinds`` while the summed compile
+    time (first step) stays under :data:`COMPILE_BUDGET_S`. All timed steps are interleaved."""
+    base = make_stack(cfg)
+    x = torch.randn(cfg.tokens, cfg.hidden)
+    kinds = available_kinds(with_fp32=True, torchao_recipes=("tensorwise",))
+    variants = {kind: build_variant(kind, base) for kind in kinds}
+    names = {k: v.name for k, v in variants.items()}
+    steps = {kind: make_step(v, x) for kind, v in variants.items()}
+    compile_info: dict[str, dict[str, Any]] = {}
+    spent = 0.0
+    for kind in compile_kinds:
+        key = f"{kind}+compile"
+        if spent > COMPILE_BUDGET_S:
+            why = f"skipped: compile budget of {COMPILE_BUDGET_S:.0f} s used up ({spent:.0f} s)"
+            compile_info[key] = {"error": why}
+            continue
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        variant = build_variant(kind, base)
+        step = make_step(variant, x, torch.compile(variant.model, backend="inductor"))
+        t0 = time.perf_counter()
+        try:
+            step()
+            step()  # a recompilation, if any, happens on the second step (grads no longer None, etc.)
+        except Exception as err:  # report, do not abort the whole run
+            compile_info[key] = {"error": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            continue
+        elapsed = time.perf_counter() - t0
+        spent += elapsed
+        counters = torch._dynamo.utils.counters
+        info: dict[str, Any] = {
+            "compile_s": elapsed,
+            "graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values()),
+        }
+        if kind.startswith("ours-"):
+
+            def seen() -> int:  # elements recorded by all casts so far (host read, outside the timed steps)
+                return sum(int(m.fp8_counts[:, 0].sum()) for m in variant.model.modules() if hasattr(m, "fp8_counts"))
+
+            before = seen()
+            step()
+            info["state_updated"] = seen() > before
+        compile_info[key] = info
+        names[key] = f"{names[kind]} + torch.compile"
+        steps[key] = step
+    cpu: dict[str, list[float]] = {}
+    times = timed_round_robin(steps, cfg.warmup, cfg.reps, cpu)
+    return {"names": names, "times": times, "cpu": cpu, "flops": stack_flops(cfg), "compile": compile_info}
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. synchronisations
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops, host syncs, and ops with an output of at least ``large`` elements (a proxy for
+    full passes over an activation or weight)."""
+
+    def __init__(self, large: int) -> None:
+        super().__init__()
+        self.large = large
+        self.syncs = 0
+        self.ops = 0
+        self.large_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if any(isinstance(o, torch.Tensor) and o.numel() >= self.large for o in outs):
+            self.large_ops += 1
+        return out
+
+
+def bench_syncs(cfg: Config) -> dict[str, Any]:
+    small = dataclasses.replace(cfg, tokens=cfg.sync_tokens, hidden=cfg.sync_hidden)
+    base = make_stack(small)
+    x = torch.randn(small.tokens, small.hidden)
+    rows = {}
+    for kind in available_kinds(with_fp32=False):
+        variant = build_variant(kind, base)
+        step = make_step(variant, x)
+        step()  # first step: delayed-scaling initialisation, lazy setup
+        counter = OpCounter(large=small.hidden * small.hidden)
+        with counter:
+            step()
+        rows[kind] = {"name": variant.name, "syncs": counter.syncs, "ops": counter.ops, "large_ops": counter.large_ops}
+    linears = sum(isinstance(m, nn.Linear) for m in base.modules())
+    return {"rows": rows, "linears": linears, "shape": (small.tokens, small.hidden)}
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. cost of the statistics
+
+
+def _min_time(fn: Callable[[], Any], warmup: int, reps: int) -> float:
+    """Fastest of ``reps`` calls: for a micro-benchmark the least disturbed by other processes."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def bench_stats_overhead(cfg: Config) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m, k, n = cfg.layer_m, cfg.layer_k, cfg.layer_n
+    base = nn.Sequential(nn.Linear(k, n))
+    x = torch.randn(m, k, requires_grad=True)
+    bf16 = build_variant("bf16", base)
+    steps: dict[str, Callable[[], None]] = {}
+
+    def fwd_bwd(v: Variant) -> Callable[[], None]:
+        def run() -> None:
+            x.grad = None
+            for p in v.model.parameters():
+                p.grad = None
+            with v.context():
+                out = v.model(x)
+            out.float().sum().backward()
+
+        return run
+
+    def fwd_only(v: Variant) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad(), v.context():
+                v.model(x)
+
+        return run
+
+    steps["bf16|fwd+bwd"] = fwd_bwd(bf16)
+    steps["bf16|fwd"] = fwd_only(bf16)
+    ours = {r: build_variant(f"ours-{r}", base) for r in OURS_RECIPES}
+    # Same module object in both modes: train() records statistics, eval() leaves the state alone.
+    for recipe, v in ours.items():
+        for mode in ("train", "eval"):
+            for what, make in (("fwd+bwd", fwd_bwd), ("fwd", fwd_only)):
+                inner = make(v)
+
+                def run(v: Variant = v, mode: str = mode, inner: Callable[[], None] = inner) -> None:
+                    v.model.train(mode == "train")
+                    inner()
+
+                steps[f"{recipe}|{mode}|{what}"] = run
+    public = timed_round_robin(steps, 2, cfg.layer_reps)
+
+    # Internal functions (not public API): what one cast costs with and without the counts.
+    from lightning_fp8 import cast as lf_cast
+
+    xt = torch.randn(m, k)
+    scale = torch.tensor(448.0 / float(xt.abs().max()))
+    e4m3 = torch.float8_e4m3fn
+    internal = {
+        "amax (x.abs().amax())": lambda: xt.abs().amax(),
+        "saturated_cast(x * scale) [no counts]": lambda: lf_cast.saturated_cast(xt * scale, e4m3),
+        "cast_with_statistics(x, scale) [cast + counts]": lambda: lf_cast.cast_with_statistics(xt, scale, e4m3),
+        "plain (x * scale).clamp().to(fp8) [reference]": lambda: (xt * scale).clamp(-448.0, 448.0).to(e4m3),
+    }
+    if load_torchao() is not None:
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+
+        mm_cfg = LinearMMConfig()
+        internal["torchao hp_tensor_to_float8_dynamic (amax + cast)"] = lambda: hp_tensor_to_float8_dynamic(
+            xt, e4m3, mm_cfg
+        )
+    internal_t = {name: _min_time(fn, 2, cfg.micro_reps) for name, fn in internal.items()}
+    return {"shape": (m, k, n), "public": public, "internal": internal_t}
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+def fmt_mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict, stats: dict,
+           total_s: float) -> str:
+    L: list[str] = []
+    L.append("# lightning_fp8 benchmark: FP8Linear vs nn.Linear (fp32, bf16) and torchao Float8Linear")
+    L.append("")
+    L.append(f"Generated by `python benchmarks/bench_linear.py{' --quick' if cfg.quick else ''}` "
+             f"in {total_s:.0f} s. Mode: {'quick' if cfg.quick else 'full'}.")
+    L.append("")
+    L.append("| | |")
+    L.append("|---|---|")
+    for key, val in env.items():
+        L.append(f"| {key} | {val} |")
+    L.append("")
+    load = float(env["load average at start"].split()[0])
+    cores = os.cpu_count() or 1
+    if load > 0.5 * cores or max(os.getloadavg()) > 0.5 * cores:
+        L.append(f"> **Warning: the machine was shared.** Load average {env['load average at start']} at start and "
+                 f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end, on {cores} CPUs: other processes "
+                 "competed for the cores, so wall times are noisy (see the min-max spread). Prefer the `(min)` and "
+                 "`(CPU s)` ratios, and rerun on an idle machine before drawing conclusions from small differences.")
+        L.append("")
+    L.append("> **Read this first.** This machine has no FP8 hardware. Our FP8 GEMMs run the *emulated* path "
+             "(FP8 values widened to bf16, bf16 GEMM with fp32 accumulation, scales applied after), and "
+             "torchao runs with `Float8LinearConfig(emulate=True)` (FP8 values dequantized to float32, `torch.mm`). "
+             "Both therefore pay a GEMM at least as expensive as bf16 *plus* the quantization casts, so on this "
+             "machine FP8 can only be slower than bf16. The speed goal (faster than bf16) needs FP8 tensor cores "
+             "(CUDA compute capability 8.9+), which were not available. What *is* meaningful here: bytes saved "
+             "for backward (hardware-independent), host syncs, op counts, and the relative cost of our casts "
+             "and statistics versus torchao's.")
+    L.append("")
+
+    # 1
+    m, k, n = mem["shape"]
+    L.append(f"## 1. Bytes saved for backward, one layer, M={m}, K={k}, N={n}")
+    L.append("")
+    L.append("Counted with `torch.autograd.graph.saved_tensors_hooks` during one forward under "
+             "`torch.autocast('cpu', torch.bfloat16)` (ours also inside `fp8_autocast()`); storages shared with "
+             "a parameter are not counted, each storage once. MiB, and the ratio to `nn.Linear` under bf16 "
+             "autocast in the same scenario. Target for ours (tensorwise, delayed): <= 0.55x bf16 (scenario A).")
+    L.append("")
+    for key, desc in mem["scenarios"].items():
+        L.append(f"- **{key}**: {desc}")
+    L.append("")
+    keys = list(mem["scenarios"])
+    L.append("| layer | " + " | ".join(f"{key}: MiB | {key}: x bf16" for key in keys) + " |")
+    L.append("|---|" + "---:|---:|" * len(keys))
+    rows = mem["rows"]
+    for kind, row in rows.items():
+        cells = []
+        for key in keys:
+            ref = rows["bf16"][key]["bytes"]
+            b = row[key]["bytes"]
+            ratio = f"{b / ref:.3f}" if ref else "n/a"
+            cells.append(f"{fmt_mib(b)} | {ratio}")
+        L.append(f"| {row[keys[0]]['name']} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("What each variant saved in scenario A:")
+    L.append("")
+    for kind, row in rows.items():
+        L.append(f"- {row['A']['name']}: {', '.join(row['A']['tensors']) or 'nothing'}")
+    L.append("")
+
+    # 2
+    times = speed["times"]
+    names = speed["names"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    cpu = {k: statistics.median(v) for k, v in speed["cpu"].items()}
+    L.append("## 2. Forward+backward time per step")
+    L.append("")
+    L.append(f"Stack: {cfg.blocks} pre-norm block(s), hidden {cfg.hidden}, MLP {cfg.mlp_ratio}x, {cfg.tokens} tokens; "
+             "Linear layers qkv (h->3h), proj (h->h), fc1, fc2; attention replaced by an elementwise gate so "
+             "that all GEMMs are Linear layers. One step = zero grads, forward under the variant's autocast, "
+             "`out.float().pow(2).mean().backward()` outside autocast. "
+             f"{cfg.warmup} warm-up step(s) per variant, then {cfg.reps} timed steps per variant, interleaved "
+             f"(round-robin) so that load drift affects all variants alike; median and [min - max]. "
+             f"{speed['flops'] / 1e9:.0f} GFLOP of Linear GEMMs per step. Ratios use the medians; "
+             "`x bf16 (min)` uses the fastest step of each and `x bf16 (CPU s)` the median process CPU time "
+             "(all threads); both are less sensitive than the median wall time to other processes on a shared "
+             "machine.")
+    L.append("")
+    ref_ao = med.get("torchao-tensorwise")
+    L.append("| variant | ms / step (median) | [min - max] | GEMM TFLOP/s | x bf16 | x bf16 (min) | x bf16 (CPU s) | "
+             "x torchao tensorwise |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, t in med.items():
+        ao = f"{t / ref_ao:.2f}" if ref_ao else "n/a"
+        L.append(f"| {names[kind]} | {fmt_ms(t)} | [{fmt_ms(low[kind])} - {fmt_ms(max(times[kind]))}] | "
+                 f"{speed['flops'] / t / 1e12:.2f} | {t / med['bf16']:.2f} | {low[kind] / low['bf16']:.2f} | "
+                 f"{cpu[kind] / cpu['bf16']:.2f} | {ao} |")
+    L.append("")
+    L.append("x bf16 > 1 means slower than bf16. On this CPU that is expected for every FP8 variant (see the note "
+             "at the top); the ratio shows the cost of the emulated path, not FP8 speed. torchao's emulation "
+             "runs its forward GEMM in bf16 (CPU autocast applies to its `torch.mm`) but its two backward GEMMs in "
+             "float32 (backward runs outside autocast), ours runs all three in bf16.")
+    L.append("")
+    L.append("### torch.compile (inductor)")
+    L.append("")
+    comp = speed["compile"]
+    if not comp:
+        L.append("Skipped (`--quick` or `--no-compile`).")
+    else:
+        L.append(f"Compiled in this process before the timed loop (compile time = first two steps; the remaining "
+                 f"variants are skipped once {COMPILE_BUDGET_S:.0f} s of compile time is spent). Their step times are "
+                 "rows of the table above (`+ torch.compile`).")
+        L.append("")
+        L.append("| variant | compile s (first 2 steps) | graphs | graph breaks | FP8 state updated when compiled | "
+                 "x eager same recipe | x bf16 + compile |")
+        L.append("|---|---:|---:|---:|---|---:|---:|")
+        bf16c = med.get("bf16+compile")
+        for key, info in comp.items():
+            kind = key.split("+")[0]
+            if "error" in info:
+                L.append(f"| {names.get(kind, kind)} + torch.compile | {info['error']} | | | | | |")
+                continue
+            upd = {True: "yes", False: "**no**"}.get(info.get("state_updated"), "n/a")
+            vs = f"{med[key] / bf16c:.2f}" if bf16c else "n/a"
+            L.append(f"| {names[key]} | {info['compile_s']:.1f} | {info['graphs']} | {info['graph_breaks']} | {upd} | "
+                     f"{med[key] / med[kind]:.2f} | {vs} |")
+    L.append("")
+
+    # 3
+    L.append("## 3. Device-to-host synchronisations per fwd+bwd")
+    L.append("")
+    L.append(f"`aten._local_scalar_dense` calls (what `.item()`, `bool(tensor)`, `int(tensor)` dispatch to) counted "
+             f"under a `TorchDispatchMode` during one fwd+bwd step of the section-2 block stack "
+             f"({syncs['linears']} Linear layers) at {syncs['shape'][0]} tokens, hidden {syncs['shape'][1]} (counts do "
+             "not depend on the shapes), after one un-counted step, eager. The aten op count is a proxy for "
+             "per-step dispatch overhead and for the number of memory passes of the eager casts.")
+    L.append("")
+    L.append(f"`full-size ops`: ops with an output of at least hidden x hidden = {syncs['shape'][1] ** 2} elements "
+             "(each is roughly one pass over an activation, gradient or weight).")
+    L.append("")
+    L.append("| variant | syncs / step | aten ops / step | full-size ops / step | aten ops / Linear layer (approx.) |")
+    L.append("|---|---:|---:|---:|---:|")
+    for kind, row in syncs["rows"].items():
+        L.append(f"| {row['name']} | {row['syncs']} | {row['ops']} | {row['large_ops']} | "
+                 f"{row['ops'] / syncs['linears']:.0f} |")
+    L.append("")
+
+    # 4
+    m, k, n = stats["shape"]
+    pub = stats["public"]
+    L.append(f"## 4. Cost of our statistics, one FP8Linear, M={m}, K={k}, N={n}")
+    L.append("")
+    L.append("Public API: the same converted layer timed in `module.train()` (casts, then the state is updated: "
+             "scale, amax pending/history roll, overflow/underflow/seen counters) and in `module.eval()` "
+             "(the same scaling, but the casts compute no statistics and the state is untouched; backward still "
+             "runs and also skips them). "
+             "`fwd` = forward only under `torch.no_grad()`. Interleaved, median of "
+             f"{cfg.layer_reps}. fp32 input requiring grad, bf16 autocast + `fp8_autocast()`.")
+    L.append("")
+    L.append("| recipe | fwd+bwd train ms | fwd+bwd eval ms | train/eval (median) | train/eval (min) | fwd train ms | "
+             "fwd eval ms | train/eval (median) | train/eval (min) | fwd+bwd train x bf16 |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    md = {k: statistics.median(v) for k, v in pub.items()}
+    mn = {k: min(v) for k, v in pub.items()}
+    for recipe in OURS_RECIPES:
+        cells = []
+        for what in ("fwd+bwd", "fwd"):
+            tr, ev = f"{recipe}|train|{what}", f"{recipe}|eval|{what}"
+            cells.append(f"{fmt_ms(md[tr])} | {fmt_ms(md[ev])} | {md[tr] / md[ev]:.2f} | {mn[tr] / mn[ev]:.2f}")
+        L.append(f"| {recipe} | {' | '.join(cells)} | {md[f'{recipe}|train|fwd+bwd'] / md['bf16|fwd+bwd']:.2f} |")
+    bf16_row = f"{fmt_ms(md['bf16|fwd+bwd'])} | | | | {fmt_ms(md['bf16|fwd'])} | | | | 1.00"
+    L.append(f"| *nn.Linear bf16 autocast* | {bf16_row} |")
+    L.append("")
+    L.append("Note: in eval mode the casts skip the statistics entirely (`saturated_cast` only: no per-cast counts, "
+             "no `record_cast` state update). So train/eval measures the whole cost of the statistics, counting "
+             "plus state update. The internal micro-benchmark below separates the counting (`cast_with_statistics` "
+             "vs `saturated_cast`).")
+    L.append("")
+    L.append(f"Internal functions (`lightning_fp8.cast`, not public API), one {m}x{k} float32 tensor to E4M3, "
+             f"fastest of {cfg.micro_reps} calls:")
+    L.append("")
+    L.append("| operation | ms | x plain cast |")
+    L.append("|---|---:|---:|")
+    internal = stats["internal"]
+    plain = internal["plain (x * scale).clamp().to(fp8) [reference]"]
+    for name, t in internal.items():
+        L.append(f"| {name} | {fmt_ms(t)} | {t / plain:.2f} |")
+    L.append("")
+    L.append(f"Load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}.")
+    L.append("")
+    return "\n".join(L)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, fewer repetitions, no torch.compile")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"Markdown output file (default {DEFAULT_OUT})")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile measurements")
+    args = parser.parse_args()
+
+    cfg = make_config(args.quick)
+    t_start = time.perf_counter()
+    env = environment()
+    if load_torchao() is None:
+        print("torchao not importable: torchao rows are left out", file=sys.stderr)
+
+    def stage(name: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {name}", file=sys.stderr, flush=True)
+
+    stage("1. bytes saved for backward")
+    mem = bench_saved_bytes(cfg)
+    compile_kinds = () if (cfg.quick or args.no_compile) else ("bf16", "ours-tensorwise")
+    stage("2. fwd+bwd step time" + (" (compiling bf16 and ours-tensorwise first)" if compile_kinds else ""))
+    speed = bench_step_time(cfg, compile_kinds)
+    stage("3. syncs")
+    syncs = bench_syncs(cfg)
+    stage("4. statistics overhead")
+    stats = bench_stats_overhead(cfg)
+    total = time.perf_counter() - t_start
+    stage("done")
+
+    text = render(cfg, env, mem, speed, syncs, stats, total)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
