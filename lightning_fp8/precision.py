@@ -26,8 +26,9 @@ SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
 
 class FP8Precision(MixedPrecision, FabricFP8Precision):
-    """FP8 training for the Lightning Trainer. Same arguments and behaviour as
-    :class:`lightning_fp8.fabric.FP8Precision` (see there for every argument).
+    """FP8 training for the Lightning Trainer, with the arguments and behaviour of the Fabric plugin.
+
+    See :class:`lightning_fp8.fabric.FP8Precision` for every argument.
 
     Example::
 
