@@ -311,14 +311,29 @@ def test_wrong_values_from_flags_fail_before_training(cli, capsys, args, expecte
     ids=["plugin", "callback"],
 )
 def test_misspelled_key_fails_before_training_naming_the_key(cli, capsys, yaml):
-    wrong = "amax_histroy_len" if "histroy" in yaml else "log_every_n_step"
+    wrong, right = ("amax_histroy_len", "amax_history_len") if "histroy" in yaml else ("log_every_n_step", "log_every_n_steps")
     message = cli_error(cli, capsys, yaml=yaml)
     assert f"Option '{wrong}' is not accepted" in message, message
+    # FP8ArgumentParser: the closest accepted argument and the full list.
+    assert f"does not accept {wrong!r}; did you mean {right!r}? Accepted: " in message, message
+    accepted = message.split("Accepted: ")[-1]
+    assert right in accepted and ("growth_interval" in accepted or "overflow_alert_threshold" in accepted)
 
 
 def test_dtype_without_torch_prefix_fails_before_training(cli, capsys):
     message = cli_error(cli, capsys, yaml=PLUGIN.format("compute_dtype: bfloat16"))
     assert '"compute_dtype"' in message and "bfloat16" in message
+    assert "write it as torch.bfloat16" in message, message
+
+
+def test_explain_parse_error_leaves_other_messages_alone():
+    from lightning_fp8.cli import explain_parse_error
+
+    assert explain_parse_error("Parser key \"x\": something else") == "Parser key \"x\": something else"
+    unknown = "Problem with given class_path 'not_a_module.Thing':\n  Option 'a' is not accepted"
+    assert explain_parse_error(unknown) == unknown  # unimportable class: no guess
+    assert "torch.float16" in explain_parse_error("Expected a dot import path string: float16")
+    assert explain_parse_error("Expected a dot import path string: notadtype").count("\n") == 0
 
 
 def test_help_lists_the_plugin_arguments(cli, capsys):

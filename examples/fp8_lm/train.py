@@ -32,6 +32,8 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torchmetrics.text import Perplexity
 
+from lightning_fp8.cli import FP8ArgumentParser
+
 VOCAB = 256  # bytes
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -262,6 +264,12 @@ class ByteTransformerLM(L.LightningModule):
 class LMCLI(LightningCLI):
     """LightningCLI plus two things: the context length is set once (``data.seq_len``), and the end of
     ``fit`` says where the results are."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # FP8ArgumentParser: a misspelled init_args key gets "did you mean ...?" and the accepted arguments,
+        # a dtype written without "torch." gets the right spelling.
+        kwargs.setdefault("parser_class", FP8ArgumentParser)
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.seq_len", "model.seq_len")
