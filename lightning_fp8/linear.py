@@ -244,13 +244,13 @@ class FP8Linear(nn.Linear):
 
     def forward(self, input: Tensor) -> Tensor:
         enabled = _AUTOCAST.enabled
-        if not torch.compiler.is_compiling():
-            if _in_backward():
-                # An activation-checkpointing recomputation runs in the backward pass, usually outside the
-                # region: it must take the path of the original forward (or autograd sees other tensors).
-                enabled = getattr(self, "_fp8_forward_enabled", enabled)
-            else:
-                self._fp8_forward_enabled = enabled
+        recomputing = _in_backward()  # always False under torch.compile
+        if recomputing:
+            # An activation-checkpointing recomputation runs in the backward pass, usually outside the
+            # region: it must take the path of the original forward (or autograd sees other tensors).
+            enabled = getattr(self, "_fp8_forward_enabled", enabled)
+        elif not torch.compiler.is_compiling():
+            self._fp8_forward_enabled = enabled
         if not enabled:
             return F.linear(input, self.weight, self.bias)
         _check_input(input)
@@ -259,7 +259,7 @@ class FP8Linear(nn.Linear):
         device_type = input.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
         x2d = input.reshape(-1, self.in_features).contiguous()
-        update = self.training and not _in_inference_mode() and not _in_backward()
+        update = self.training and not recomputing and not _in_inference_mode()
         roll = not _AUTOCAST.defer_amax_history_roll
         state, recipe = state_of(self), self.fp8_recipe
         if recipe.name == "rowwise":
