@@ -150,8 +150,9 @@ class _RowwiseFn(torch.autograd.Function):
         update: bool,
         roll: bool,
         out_dtype: torch.dtype,
+        update_forward: bool,
     ) -> Tensor:
-        record = state if update else None
+        record = state if update_forward else None
         x_fp8, x_scale = quantize_rowwise(x2d, -1, E4M3, record, recipe, INPUT, roll)
         w_fp8, w_scale = quantize_rowwise(weight, -1, E4M3, record, recipe, WEIGHT, roll)
         out = fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale.t().contiguous(), torch.bfloat16, use_fast_accum=True)
@@ -177,7 +178,7 @@ class _RowwiseFn(torch.autograd.Function):
             grad_weight = fp8_mm(
                 go_fp8.t().contiguous(), _column_major(x_fp8), go_scale.t().contiguous(), x_scale, torch.bfloat16
             ).to(weight.dtype)
-        return (grad_input, grad_weight) + (None,) * 5
+        return (grad_input, grad_weight) + (None,) * 6
 
 
 def _check_input(x: Tensor) -> None:
@@ -259,16 +260,20 @@ class FP8Linear(nn.Linear):
         device_type = input.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
         x2d = input.reshape(-1, self.in_features).contiguous()
-        update = self.training and not recomputing and not _in_inference_mode()
+        # ``update`` is what this forward's backward records (grad_output); the forward's own casts are
+        # not recorded again in a recomputation. With reentrant checkpointing the original forward runs
+        # without a graph, so the recomputation's backward is the only one that records grad_output.
+        update = self.training and not _in_inference_mode()
+        update_forward = update and not recomputing
         roll = not _AUTOCAST.defer_amax_history_roll
         state, recipe = state_of(self), self.fp8_recipe
         if recipe.name == "rowwise":
             if torch.is_autocast_enabled(device_type):
                 x2d = x2d.to(out_dtype)  # what nn.Linear under autocast saves, not the fp32 input
-            out = _RowwiseFn.apply(x2d, self.weight, state, recipe, update, roll, out_dtype)
+            out = _RowwiseFn.apply(x2d, self.weight, state, recipe, update, roll, out_dtype, update_forward)
         else:
-            x_fp8, x_scale = quantize_tensorwise(x2d, state, recipe, INPUT, update, roll)
-            w_fp8, w_scale = quantize_tensorwise(self.weight, state, recipe, WEIGHT, update, roll)
+            x_fp8, x_scale = quantize_tensorwise(x2d, state, recipe, INPUT, update_forward, roll)
+            w_fp8, w_scale = quantize_tensorwise(self.weight, state, recipe, WEIGHT, update_forward, roll)
             out = _TensorwiseFn.apply(
                 x2d, self.weight, x_fp8, x_scale, w_fp8, w_scale, state, recipe, update, roll, out_dtype
             )
@@ -288,6 +293,9 @@ class FP8Linear(nn.Linear):
             for name, buf in state.items():
                 moved = fn(buf)
                 self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(device=moved.device)
+            moved_from_meta = any(buf.is_meta for buf in state.values()) and not self.fp8_scale.is_meta
+            if moved_from_meta:  # e.g. to_empty() after building on the meta device: the values are garbage
+                init_state(self, self.fp8_recipe, device=self.fp8_scale.device)
         return self
 
     def extra_repr(self) -> str:

@@ -565,3 +565,31 @@ def test_activation_checkpointing_matches_plain(recipe, defer):
         assert all(torch.equal(a, b) for a, b in zip(gp1, gp2))
         assert _same_buffers(_buffers(plain), _buffers(ckpt))
     assert plain[0].fp8_counts[0, 0] == 2 * 8 * 32
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_records_each_tensor_once(use_reentrant):
+    """Reentrant checkpointing runs the original forward without a graph: the recomputation's backward is the
+    one that records grad_output. Non-reentrant: the original's backward does. Either way, once."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = lf.FP8Linear(32, 32, recipe="delayed")
+    x = torch.randn(4, 32, requires_grad=True)
+    with lf.fp8_autocast():
+        out = checkpoint(layer, x, use_reentrant=use_reentrant)
+    out.sum().backward()
+    assert layer.fp8_counts[:, 0].tolist() == [4 * 32, 32 * 32, 4 * 32]
+
+
+def test_state_is_fresh_after_to_empty_from_meta():
+    with torch.device("meta"):
+        layer = lf.FP8Linear(32, 32, recipe="delayed")
+    layer.to_empty(device="cpu")
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.zeros_(layer.bias)
+    assert torch.equal(layer.fp8_scale, torch.ones(3)) and not layer.fp8_initialized.any()
+    assert int(layer.fp8_counts.abs().sum()) == 0 and int(layer.fp8_amax_history.abs().sum()) == 0
+    with lf.fp8_autocast():
+        out = layer(torch.randn(4, 32))
+    assert torch.isfinite(out).all()
