@@ -4,7 +4,8 @@ Under DDP every rank sees a different shard of the batch, so the amaxes its laye
 Before the amax histories roll (once per optimizer step), the pending amaxes of all FP8 layers are
 reduced with ``MAX`` across ranks in a single collective, as Transformer Engine does for its
 data-parallel group. All ranks then hold the same histories and derive the same ``delayed`` scales,
-which also makes the FP8 state saved by rank 0 valid for every rank on resume.
+which also makes the amax histories and scales saved by rank 0 valid for every rank on resume. (The
+overflow/underflow counters are per rank; on resume every rank starts from rank 0's counters.)
 
 The collective goes through ``torch.distributed`` (no host synchronisation; on NCCL it is queued on
 the stream). Counters (seen/overflow/underflow) stay per rank; the stats callback reduces them when
