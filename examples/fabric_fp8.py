@@ -7,10 +7,13 @@ library's own source, so it runs anywhere without downloads. GPU if there is one
     python examples/fabric_fp8.py --steps 100 --resume fabric_fp8.ckpt   # continue from the checkpoint
 
 What the plugin does in this loop: ``fabric.setup`` converts the Linear layers to FP8 in place; every
-forward through the wrapped model runs in bf16 autocast plus FP8; ``fabric.backward`` scales the loss;
-``fabric.clip_gradients`` sees unscaled gradients; ``optimizer.step`` skips steps with non-finite
-gradients and updates the FP8 scales. Passing the plugin to ``fabric.save`` / ``fabric.load`` stores the
-loss scale and every layer's FP8 state (amax histories, scales) next to the weights.
+forward through the wrapped model runs in bf16 autocast plus FP8; ``fabric.backward`` runs the backward
+(with ``compute_dtype=torch.float16`` it would scale the loss; bf16 needs no scaling, so the gradients are
+the true ones); ``fabric.clip_gradients`` sees unscaled gradients; ``optimizer.step`` skips steps with
+non-finite gradients and updates the FP8 scales. ``FP8Stats`` reads the FP8 health statistics (one device
+snapshot, one host copy) and ``fabric.log_dict`` writes them to the CSV logger. Passing the plugin to
+``fabric.save`` / ``fabric.load`` stores the loss scaler and every layer's FP8 state (amax histories, scales)
+next to the weights.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_fp8 import FP8Stats
 from lightning_fp8.fabric import FP8Precision
 
 CONTEXT = 32  # bytes of context per prediction
@@ -63,10 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", default="delayed", choices=["tensorwise", "delayed", "rowwise"])
     parser.add_argument("--checkpoint", default="fabric_fp8.ckpt", help="where to save at the end")
     parser.add_argument("--resume", default=None, help="checkpoint to continue from")
+    parser.add_argument("--log-dir", default="fabric_fp8_logs", help="where the CSV logger writes metrics.csv")
+    parser.add_argument("--log-every", type=int, default=50, help="log loss and FP8 statistics every N steps")
     args = parser.parse_args(argv)
 
     L.seed_everything(0)
-    fabric = L.Fabric(accelerator="auto", devices=1, plugins=[FP8Precision(recipe=args.recipe)])
+    fp8 = FP8Precision(recipe=args.recipe)
+    logger = L.fabric.loggers.CSVLogger(args.log_dir, name="", version="")
+    fabric = L.Fabric(accelerator="auto", devices=1, plugins=[fp8], loggers=[logger])
     fabric.launch()
 
     data = stdlib_text()
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = ByteMLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)  # the Linear layers are now FP8Linear (same parameters)
-    fp8 = fabric.strategy.precision  # the FP8Precision instance: its state goes into the checkpoint
+    stats = FP8Stats(fp8)  # the FP8 statistics of every model set up with the plugin
     state = {"model": model, "optimizer": optimizer, "fp8": fp8, "step": 0}
     if args.resume:
         fabric.load(args.resume, state)  # weights, optimizer, loss scale and FP8 state; bit-exact resume
@@ -102,13 +110,19 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()  # skipped if the gradients are not finite; then the FP8 bookkeeping
         state["step"] += 1
         losses.append(loss.detach())
-        if state["step"] % 50 == 0 or state["step"] == 1:
-            fabric.print(f"step {state['step']:5d}  loss {loss.item():.4f}  loss scale {float(fp8.loss_scale):.0f}")
+        if state["step"] % args.log_every == 0:
+            metrics = stats.metrics()  # one device-to-host copy (and, with several processes, one collective)
+            fabric.log_dict({"train_loss": loss.item(), **metrics}, step=state["step"])
+            fabric.print(
+                f"step {state['step']:5d}  loss {loss.item():.4f}  worst FP8 overflow "
+                f"{metrics.get('fp8/worst/overflow_frac', 0.0):.2e}  skipped steps {metrics['fp8/skipped_steps']:.0f}"
+            )
 
     fabric.save(args.checkpoint, state)
+    logger.finalize("success")
     fabric.print(
         f"Saved {os.path.abspath(args.checkpoint)} (model, optimizer, FP8 plugin state: "
-        f"{', '.join(fp8.state_dict())}); skipped steps: {int(fp8.skipped_steps or 0)}"
+        f"{', '.join(fp8.state_dict())}); metrics in {os.path.join(os.path.abspath(args.log_dir), 'metrics.csv')}"
     )
     return {"losses": [float(x) for x in losses], "checkpoint": args.checkpoint, "fp8": fp8, "model": model}
 

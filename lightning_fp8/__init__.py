@@ -3,21 +3,24 @@
 Public API:
 
 * :class:`FP8Precision`: the Trainer precision plugin (``lightning_fp8.fabric.FP8Precision`` for Fabric);
-* :class:`FP8StatsCallback`: FP8 health statistics to any Lightning logger;
+* :class:`FP8StatsCallback`: FP8 health statistics to any Lightning logger; :class:`FP8Stats`: the same
+  statistics for a Fabric or plain PyTorch loop;
 * :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
 * :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
 * :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
 * :func:`fp8_state_dict`, :func:`load_fp8_state_dict`, :func:`roll_amax_history`: the device-side
-  FP8 state of a model.
+  FP8 state of a model (:mod:`lightning_fp8.state`).
 """
 
 from lightning_fp8.callbacks import FP8StatsCallback
 from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to_fp8
 from lightning_fp8.gemm import gemm_path
-from lightning_fp8.linear import FP8Linear, fp8_autocast, is_fp8_autocast_enabled
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.linear import FP8Linear
 from lightning_fp8.precision import FP8Precision
-from lightning_fp8.scaling import fp8_state_dict, load_fp8_state_dict, roll_amax_history
+from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.region import fp8_autocast, is_fp8_autocast_enabled
+from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict, roll_amax_history
+from lightning_fp8.stats import FP8Stats
 
 __version__ = "0.1.0"
 
@@ -25,6 +28,7 @@ __all__ = [
     "ConversionReport",
     "FP8Linear",
     "FP8Precision",
+    "FP8Stats",
     "FP8StatsCallback",
     "FP8Recipe",
     "convert_from_fp8",

@@ -1,56 +1,37 @@
 """FP8StatsCallback: the FP8 health of a run, logged to any Lightning logger at almost no cost.
 
-Every FP8 layer keeps its statistics on the device (:mod:`lightning_fp8.scaling`). On a logging step
-this callback stacks all of them (plus the loss scale and the skipped-step count) into one tensor,
-reduces it across ranks in one collective (``all_gather`` then max / min / sum per field), copies it to
-the host once, and logs plain floats. On every other step it does nothing: no transfer, no sync.
-
-Metric names (``/`` is replaced by each logger's ``group_separator``)::
-
-    fp8/<layer>/<tensor>/amax            most recent amax            (tensor: input, weight, grad_output)
-    fp8/<layer>/<tensor>/scale           scale of the most recent cast (rowwise: smallest row scale)
-    fp8/<layer>/<tensor>/overflow_frac   saturated or non-finite elements / elements cast, this interval
-    fp8/<layer>/<tensor>/underflow_frac  non-zero elements flushed to zero / non-zero elements, this interval
-    fp8/loss_scale                       current dynamic loss scale (with FP8Precision)
-    fp8/skipped_steps                    optimizer steps skipped for non-finite gradients, since the start
-    fp8/skipped_steps_interval           ... since the previous log
-    fp8/worst/overflow_frac              largest overflow_frac of any layer and tensor
-    fp8/worst/overflow_layer             index of that layer in ``FP8StatsCallback.layer_names``
-    fp8/worst/underflow_frac             largest underflow_frac
-    fp8/worst/underflow_layer            index of that layer
-    fp8/scale_min, fp8/scale_max         smallest and largest scale of any layer and tensor
-
-The ``*_frac`` metrics of a layer that cast nothing in the interval are not logged. The amax history
-goes to TensorBoard and W&B as a histogram per layer and tensor (``fp8/<layer>/<tensor>/amax_history``);
-a heatmap (layers x steps, log10 amax, one panel per tensor) goes to TensorBoard and W&B as an image
-and, for every logger with a local directory (and always at the end of fit), to ``fp8_amax_heatmap.png``.
+The numbers come from :class:`lightning_fp8.FP8Stats` (see :mod:`lightning_fp8.stats` for the metric
+names): on a logging step, one batched device snapshot of all FP8 state tables, one cross-rank
+reduction, one device-to-host copy. On every other step this callback does nothing: no transfer, no
+sync. The callback formats and logs: scalars to every logger and to ``trainer.callback_metrics`` (so
+``ModelCheckpoint`` and ``EarlyStopping`` can monitor them), the amax history as a histogram per layer
+and tensor (``fp8/<layer>/<tensor>/amax_history``, TensorBoard and W&B), a heatmap (layers x steps,
+log10 amax, one panel per tensor) to TensorBoard and W&B and, for every logger with a local directory
+(and always at the end of fit), to ``fp8_amax_heatmap.png``; alerts; and an end-of-fit summary table.
 
 Under DDP the values are reduced across ranks (amax: max, scale: min, counts: sum) and written once, by
-rank 0 (Lightning loggers only write on rank 0). Every rank holds every layer's buffers, so a layer
+rank 0 (Lightning loggers only write on rank 0). Every rank holds every layer's state, so a layer
 that did not run on some rank contributes zeros and cannot cause a hang.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
 
+from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.heatmap import amax_heatmap_figure, finite_positive
 from lightning_fp8.recipe import ROLES
-from lightning_fp8.scaling import NONZERO, OVERFLOW, SEEN, UNDERFLOW, fp8_modules
+from lightning_fp8.stats import FP8Stats, LayerReading
 
 TROUBLESHOOTING = "docs/troubleshooting.md"
 HEATMAP_FILE = "fp8_amax_heatmap.png"
-_MAX, _MIN, _SUM = 0, 1, 2
 
 
 class FP8StatsCallback(Callback):
@@ -109,123 +90,43 @@ class FP8StatsCallback(Callback):
         self.summary = summary
         #: Names of the logged FP8 layers, in metric order (``fp8/worst/*_layer`` index into it).
         self.layer_names: list[str] = []
-        self.fetches = 0  # batched device-to-host copies made (one per logging step)
         self.last_metrics: dict[str, float] = {}
-        self._reset_counters()
-        self._layout: list[tuple[str, int]] = []
-        self._recipes: dict[str, str] = {}
-        self._kinds: Tensor | None = None
-        self._warned_no_logger = False
-
-    def _reset_counters(self) -> None:
-        self._last_counts: dict[str, list[list[float]]] = {}
-        self._total_counts: dict[str, list[list[float]]] = {}
-        self._last_skipped = 0.0
+        self._stats = FP8Stats(None, include=self.include, exclude=self.exclude)
         self._last_logged_step = -1
         self._above: dict[str, int] = {}
         self._alerted: set[str] = set()
         self._heatmap_steps: list[int] = []
         self._heatmap_amax: list[list[list[float]]] = []
         self._logs = 0
+        self._warned_no_logger = False
 
-    # ------------------------------------------------------------------ gathering
-    def _modules(self, pl_module: torch.nn.Module) -> dict[str, torch.nn.Module]:
-        chosen = {}
-        for name, module in fp8_modules(pl_module).items():
-            if any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
-                fnmatch.fnmatchcase(name, p) for p in self.exclude
-            ):
-                chosen[name] = module
-        return chosen
+    @property
+    def fetches(self) -> int:
+        """Batched device-to-host copies made (one per logging step, plus the baseline)."""
+        return self._stats.fetches
 
-    def _stack(self, modules: dict[str, torch.nn.Module], plugin: Any) -> Tensor:
-        """All statistics in one float64 tensor on the device (no transfer)."""
-        parts: list[Tensor] = []
-        layout: list[tuple[str, int]] = []
-        kinds: list[Tensor] = []
-        for name, module in modules.items():
-            length = module.fp8_amax_history.shape[1]
-            parts += [module.fp8_scale, module.fp8_amax_history.reshape(-1), module.fp8_counts.reshape(-1)]
-            layout.append((name, length))
-        n_roles = len(ROLES)
-        device = parts[0].device if parts else torch.device("cpu")
-        loss_scale = getattr(plugin, "loss_scale", None)
-        skipped = getattr(plugin, "skipped_steps", None)
-        extras = [
-            loss_scale.reshape(1) if isinstance(loss_scale, Tensor) else torch.full((1,), float("nan"), device=device),
-            skipped.reshape(1) if isinstance(skipped, Tensor) else torch.zeros(1, device=device),
-        ]
-        flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts + extras])
-        if self._layout != layout or self._kinds is None or self._kinds.device != device:
-            for _, length in layout:
-                kinds += [
-                    torch.full((n_roles,), _MIN),
-                    torch.full((n_roles * length,), _MAX),
-                    torch.full((n_roles * 4,), _SUM),
-                ]
-            kinds += [torch.full((1,), _MAX), torch.full((1,), _MAX)]
-            self._kinds = torch.cat(kinds).to(device)
-            self._layout = layout
-        return flat
+    @property
+    def _total_counts(self) -> dict[str, list[list[float]]]:
+        return self._stats.total_counts
 
-    def _reduce(self, flat: Tensor) -> Tensor:
-        """One collective: all_gather, then max / min / sum per field (on the device)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flat
-        world = dist.get_world_size()
-        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        gather(gathered, flat)
-        gathered = gathered.view(world, -1)
-        assert self._kinds is not None
-        return torch.where(
-            self._kinds == _MAX,
-            gathered.max(dim=0).values,
-            torch.where(self._kinds == _MIN, gathered.min(dim=0).values, gathered.sum(dim=0)),
-        )
-
-    def _fetch(self, flat: Tensor) -> list[float]:
-        """The single batched device-to-host copy of a logging step."""
-        self.fetches += 1
-        return flat.to("cpu").tolist()
-
-    def _read(self, trainer: pl.Trainer, pl_module: torch.nn.Module) -> tuple[dict[str, Any], float, float] | None:
-        modules = self._modules(pl_module)
-        if not modules:
-            return None
-        self._recipes = {name: module.fp8_recipe.name for name, module in modules.items()}
-        values = self._fetch(self._reduce(self._stack(modules, trainer.precision_plugin)))
-        layers: dict[str, Any] = {}
-        pos, n = 0, len(ROLES)
-        for name, length in self._layout:
-            scale = values[pos : pos + n]
-            pos += n
-            history = [values[pos + r * length : pos + (r + 1) * length] for r in range(n)]
-            pos += n * length
-            counts = [values[pos + r * 4 : pos + (r + 1) * 4] for r in range(n)]
-            pos += n * 4
-            layers[name] = {"scale": scale, "history": history, "counts": counts}
-        loss_scale, skipped = values[pos], values[pos + 1]
-        self.layer_names = [name for name, _ in self._layout]
-        return layers, loss_scale, skipped
+    def _source(self, trainer: pl.Trainer, pl_module: torch.nn.Module) -> Any:
+        plugin = trainer.precision_plugin
+        return plugin if isinstance(plugin, FP8PrecisionBase) else pl_module
 
     # ------------------------------------------------------------------ hooks
     def _every(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps or max(1, trainer.log_every_n_steps or 1)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stats.source = self._source(trainer, pl_module)
         if not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
             rank_zero_warn(
                 "FP8StatsCallback: the Trainer has no logger, so FP8 statistics are not logged. The summary table "
                 f"is still printed at the end of fit and the heatmap saved to {trainer.default_root_dir}."
             )
-        if not self._last_counts:  # baseline (a resumed callback keeps its own)
-            read = self._read(trainer, pl_module)
-            if read is not None:
-                layers, _, skipped = read
-                self._last_counts = {k: v["counts"] for k, v in layers.items()}
-                self._last_skipped = skipped
+        if not self._stats.has_baseline:  # a resumed callback keeps its own baseline
+            self._stats.take_baseline()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -238,15 +139,16 @@ class FP8StatsCallback(Callback):
 
     def log_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Read, reduce, copy once and log the statistics now; returns the metrics (``/``-separated names)."""
-        read = self._read(trainer, pl_module)
-        if read is None:
+        self._stats.source = self._source(trainer, pl_module)
+        reading = self._stats.read()
+        if reading is None:
             return {}
-        layers, loss_scale, skipped = read
-        metrics = self._metrics(layers, loss_scale, skipped)
+        metrics = self._stats.metrics(reading)
+        self.layer_names = list(self._stats.layer_names)
         self._logs += 1
         self.last_metrics = metrics
-        self._alerts(layers)
-        self._remember_heatmap(trainer.global_step, layers)
+        self._alerts(reading.layers)
+        self._remember_heatmap(trainer.global_step, reading.layers)
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         # One read: each access of trainer.callback_metrics recomputes Lightning's result collection.
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
@@ -255,57 +157,17 @@ class FP8StatsCallback(Callback):
             logger.log_metrics({k.replace("/", sep): v for k, v in metrics.items()}, step=step)
         if trainer.is_global_zero:
             if self.histograms:
-                self._log_histograms(trainer, layers, step)
+                self._log_histograms(trainer, reading.layers, step)
             if self.heatmap_every_n_logs and self._logs % self.heatmap_every_n_logs == 0:
                 self._log_heatmap(trainer, step, final=False)
         return metrics
 
-    def _metrics(self, layers: dict[str, Any], loss_scale: float, skipped: float) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        worst_over = worst_under = (-1.0, -1)
-        scales: list[float] = []
-        for index, (name, layer) in enumerate(layers.items()):
-            last = self._last_counts.get(name, [[0.0] * 4 for _ in ROLES])
-            total = self._total_counts.setdefault(name, [[0.0] * 4 for _ in ROLES])
-            for r, role in enumerate(ROLES):
-                prefix = f"fp8/{name}/{role}"
-                metrics[f"{prefix}/amax"] = layer["history"][r][0]
-                metrics[f"{prefix}/scale"] = layer["scale"][r]
-                scales.append(layer["scale"][r])
-                delta = [now - before for now, before in zip(layer["counts"][r], last[r])]
-                total[r] = [t + d for t, d in zip(total[r], delta)]
-                if delta[SEEN] > 0:
-                    over = delta[OVERFLOW] / delta[SEEN]
-                    metrics[f"{prefix}/overflow_frac"] = over
-                    if over > worst_over[0]:
-                        worst_over = (over, index)
-                if delta[NONZERO] > 0:
-                    under = delta[UNDERFLOW] / delta[NONZERO]
-                    metrics[f"{prefix}/underflow_frac"] = under
-                    if under > worst_under[0]:
-                        worst_under = (under, index)
-            self._last_counts[name] = layer["counts"]
-        if not math.isnan(loss_scale):
-            metrics["fp8/loss_scale"] = loss_scale
-        metrics["fp8/skipped_steps"] = skipped
-        metrics["fp8/skipped_steps_interval"] = skipped - self._last_skipped
-        self._last_skipped = skipped
-        if worst_over[1] >= 0:
-            metrics["fp8/worst/overflow_frac"], metrics["fp8/worst/overflow_layer"] = worst_over[0], float(worst_over[1])
-        if worst_under[1] >= 0:
-            metrics["fp8/worst/underflow_frac"] = worst_under[0]
-            metrics["fp8/worst/underflow_layer"] = float(worst_under[1])
-        finite = [s for s in scales if math.isfinite(s)]
-        if finite:
-            metrics["fp8/scale_min"], metrics["fp8/scale_max"] = min(finite), max(finite)
-        return metrics
-
     # ------------------------------------------------------------------ alerts
-    def _alerts(self, layers: dict[str, Any]) -> None:
+    def _alerts(self, layers: dict[str, LayerReading]) -> None:
         for name, layer in layers.items():
             for r, role in enumerate(ROLES):
                 key = f"{name}/{role}"
-                amax = layer["history"][r][0]
+                amax = layer.history[r][0]
                 if not math.isfinite(amax) and f"nonfinite:{key}" not in self._alerted:
                     self._alerted.add(f"nonfinite:{key}")
                     rank_zero_warn(
@@ -319,7 +181,7 @@ class FP8StatsCallback(Callback):
                     self._above[key] = self._above.get(key, 0) + 1
                     if self._above[key] >= self.alert_patience and key not in self._alerted:
                         self._alerted.add(key)
-                        if self._recipes.get(name) == "delayed":
+                        if layer.recipe == "delayed":
                             advice = "the delayed scale lags the tensor: try margin=1 or a shorter amax_history_len"
                         else:
                             advice = "with current scaling only NaN or Inf elements overflow: look for them upstream"
@@ -337,20 +199,20 @@ class FP8StatsCallback(Callback):
         return self.last_metrics.get(f"fp8/{layer}/{ROLES[role]}/overflow_frac")
 
     # ------------------------------------------------------------------ media
-    def _remember_heatmap(self, step: int, layers: dict[str, Any]) -> None:
+    def _remember_heatmap(self, step: int, layers: dict[str, LayerReading]) -> None:
         self._heatmap_steps.append(step)
-        self._heatmap_amax.append([[layer["history"][r][0] for r in range(len(ROLES))] for layer in layers.values()])
+        self._heatmap_amax.append([layer.amax for layer in layers.values()])
         if len(self._heatmap_steps) > self.heatmap_max_points:
             del self._heatmap_steps[0], self._heatmap_amax[0]
 
-    def _log_histograms(self, trainer: pl.Trainer, layers: dict[str, Any], step: int) -> None:
+    def _log_histograms(self, trainer: pl.Trainer, layers: dict[str, LayerReading], step: int) -> None:
         for logger in trainer.loggers:
             kind = type(logger).__name__
             if kind not in ("TensorBoardLogger", "WandbLogger"):
                 continue
             for name, layer in layers.items():
                 for r, role in enumerate(ROLES):
-                    values = finite_positive(layer["history"][r])
+                    values = finite_positive(layer.history[r])
                     if not values:
                         continue
                     tag = f"fp8/{name}/{role}/amax_history"
@@ -395,7 +257,7 @@ class FP8StatsCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        if self.summary and self._total_counts:
+        if self.summary and self._stats.total_counts:
             rank_zero_info(self.summary_table())
         paths = self._log_heatmap(trainer, trainer.global_step, final=True)
         if paths:
@@ -404,7 +266,7 @@ class FP8StatsCallback(Callback):
     def summary_table(self, top: int | None = None) -> str:
         """Per-layer table, worst offenders first: cumulative overflow/underflow fractions, last amax and scale."""
         rows = []
-        for name, totals in self._total_counts.items():
+        for name, totals in self._stats.total_counts.items():
             for r, role in enumerate(ROLES):
                 seen, nonzero, over, under = totals[r]
                 rows.append(
@@ -432,9 +294,7 @@ class FP8StatsCallback(Callback):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {
-            "last_counts": self._last_counts,
-            "total_counts": self._total_counts,
-            "last_skipped": self._last_skipped,
+            "stats": self._stats.state_dict(),
             "last_logged_step": self._last_logged_step,
             "above": self._above,
             "alerted": sorted(self._alerted),
@@ -445,9 +305,16 @@ class FP8StatsCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_counts = state_dict["last_counts"]
-        self._total_counts = state_dict["total_counts"]
-        self._last_skipped = state_dict["last_skipped"]
+        if "stats" in state_dict:
+            self._stats.load_state_dict(state_dict["stats"])
+        else:  # written by lightning-fp8 0.1
+            self._stats.load_state_dict(
+                {
+                    "last_counts": state_dict["last_counts"],
+                    "total_counts": state_dict["total_counts"],
+                    "last_skipped": state_dict["last_skipped"],
+                }
+            )
         self._last_logged_step = state_dict["last_logged_step"]
         self._above = state_dict["above"]
         self._alerted = set(state_dict["alerted"])

@@ -1,55 +1,98 @@
-"""Distributed glue: keeping FP8 scaling decisions identical on every data-parallel rank.
+"""Distributed glue: identical FP8 scaling decisions on every data-parallel rank, and reduced statistics.
 
 Under DDP every rank sees a different shard of the batch, so the amaxes its layers record differ.
 Before the amax histories roll (once per optimizer step), the pending amaxes of all FP8 layers are
-reduced with ``MAX`` across ranks in a single collective, as Transformer Engine does for its
-data-parallel group. All ranks then hold the same histories and derive the same ``delayed`` scales,
-which also makes the amax histories and scales saved by rank 0 valid for every rank on resume. (The
-overflow/underflow counters are per rank; on resume every rank starts from rank 0's counters.)
+reduced with ``MAX`` across ranks in a single collective over the flat pending tensors of the state
+tables, as Transformer Engine does for its data-parallel group. All ranks then hold the same
+histories and derive the same ``delayed`` scales, which also makes the amax histories and scales
+saved by one rank valid for every rank on resume.
 
-The collective goes through ``torch.distributed`` (no host synchronisation; on NCCL it is queued on
-the stream). Counters (seen/overflow/underflow) stay per rank; the stats callback reduces them when
-it logs.
+The element counters stay per rank; :func:`reduce_statistics` reduces a statistics snapshot (one
+``all_gather``, then max / min / sum per entry) when the statistics are read. A layer that did not run
+on some rank contributes its zeros: no collective depends on which layers ran, so nothing can hang.
+
+The FP8 state is not made of module buffers, so DDP's buffer broadcast never touches it.
+
+Everything goes through ``torch.distributed`` (no host synchronisation; on NCCL the collectives are
+queued on the stream).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_fp8.scaling import STATE_BUFFERS, fp8_modules
+from lightning_fp8.state import FP8StateTable, state_tables
+
+#: How :func:`reduce_statistics` combines each entry across ranks.
+REDUCE_MAX, REDUCE_MIN, REDUCE_SUM = 0, 1, 2
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 @torch.no_grad()
-def all_reduce_pending_amax(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """MAX-reduce every FP8 layer's pending amaxes across ``group`` in one collective (no-op when not distributed).
+def all_reduce_pending_amax(
+    model: nn.Module | Iterable[FP8StateTable], group: dist.ProcessGroup | None = None
+) -> None:
+    """MAX-reduce every FP8 layer's pending amaxes across ``group`` in one collective (no-op on one rank).
 
-    Non-finite amaxes are sent as ``+inf`` (a NaN would make the reduction order-dependent); the
-    history treats both as "ignore this entry".
+    ``model`` is a model (its state tables are looked up) or the state tables themselves. Non-finite
+    amaxes are sent as ``+inf`` (a NaN would make the reduction order-dependent); the history treats both
+    as "ignore this entry".
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if world_size(group) == 1:
         return
-    modules = list(fp8_modules(model).values())
-    if not modules:
+    tables = state_tables(model) if isinstance(model, nn.Module) else list(model)
+    if not tables:
         return
-    pending = torch.stack([m.fp8_amax_pending for m in modules])
-    pending = torch.where(torch.isnan(pending), torch.full_like(pending, float("inf")), pending)
-    dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
-    for module, reduced in zip(modules, pending.unbind(0)):
-        module.fp8_amax_pending.copy_(reduced)
+    flat = torch.cat([table.amax_pending.reshape(-1) for table in tables])  # (L, 3) per table, stacked
+    flat = torch.where(torch.isnan(flat), torch.full_like(flat, float("inf")), flat)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    for table in tables:
+        n = table.num_layers * 3
+        reduced = flat[offset : offset + n].view(table.num_layers, 3)
+        torch._foreach_copy_([t.data for t in table.role_amax_pending], list(reduced.unbind(1)))
+        offset += n
+
+
+@torch.no_grad()
+def reduce_statistics(flat: Tensor, kinds: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Combine a flat statistics tensor across ranks: one ``all_gather``, then per entry ``kinds`` says max,
+    min or sum (``REDUCE_MAX``, ``REDUCE_MIN``, ``REDUCE_SUM``). Returns ``flat`` on one rank."""
+    size = world_size(group)
+    if size == 1:
+        return flat
+    gathered = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(gathered, flat, group=group)
+    gathered = gathered.view(size, -1)
+    kinds = kinds.to(flat.device)
+    return torch.where(
+        kinds == REDUCE_MAX,
+        gathered.max(dim=0).values,
+        torch.where(kinds == REDUCE_MIN, gathered.min(dim=0).values, gathered.sum(dim=0)),
+    )
 
 
 def keep_fp8_state_local_under_ddp(model: nn.Module) -> list[str]:
-    """Stop DDP from broadcasting the FP8 state buffers from rank 0 before every forward.
+    """Deprecated no-op (lightning-fp8 0.1 added the FP8 buffers to DDP's ignore list).
 
-    DDP's ``broadcast_buffers=True`` (its default) copies every buffer of rank 0 to all ranks, which
-    would overwrite each rank's overflow/underflow counters (the stats callback then counts rank 0
-    twice) and resend the whole state every step. The amax histories are kept equal by
-    :func:`all_reduce_pending_amax` instead. Must run before ``DistributedDataParallel(model)`` (the
-    precision plugin's ``convert_module`` does). Returns the buffer names added to DDP's ignore list.
+    The FP8 state is no longer made of module buffers, so DDP never broadcasts it. Returns ``[]``.
     """
-    names = [f"{prefix}.{buf}" if prefix else buf for prefix, m in fp8_modules(model).items() for buf in STATE_BUFFERS]
-    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
-    return names
+    warnings.warn(
+        "keep_fp8_state_local_under_ddp is no longer needed (the FP8 state is not a module buffer) and does "
+        "nothing; remove the call.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return []

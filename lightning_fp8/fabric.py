@@ -1,88 +1,110 @@
-"""``FP8Precision`` for Lightning Fabric: the logic of the precision plugin (the Trainer one is a thin subclass).
+"""``FP8Precision`` for Lightning Fabric, and the logic it shares with the Trainer plugin.
+
+:class:`FP8PrecisionBase` holds everything the two plugins share, with the method names both Lightning
+APIs use in the same way (``convert_module``, the init contexts, ``forward_context``, ``convert_input``,
+``state_dict``, ``load_state_dict``). The Fabric class adds Fabric's hooks (``backward``,
+``optimizer_step``, ``unscale_gradients``, and Fabric's cast of forward arguments); the Trainer class
+(:mod:`lightning_fp8.precision`) adds the Trainer's, the way Lightning's own Transformer Engine plugins
+are split.
 
 What the plugin owns:
 
 * **Conversion.** ``convert_module`` turns the eligible ``nn.Linear`` layers into
-  :class:`~lightning_fp8.FP8Linear` in place (idempotent; DDP ignores the returned module). If no layer
-  can run in FP8 it raises instead of silently training in high precision. Rank 0 logs one line with
-  the recipe, the converted/skipped layers (with reasons), the GEMM path and the device.
-* **The autocast region.** Every forward runs inside ``torch.autocast(compute_dtype)`` plus
-  :func:`~lightning_fp8.fp8_autocast`. The backward runs outside it (each layer decides at forward time).
-* **Dynamic loss scaling** with ``torch.amp.GradScaler``: the loss is scaled before backward, the
-  gradients are unscaled before clipping, a step with non-finite gradients is skipped and the scale
-  backs off, and it grows after ``growth_interval`` clean steps. The number of skipped steps is
-  counted on the device.
-* **Delayed-scaling bookkeeping.** The layers record amaxes during every forward and backward of an
-  accumulation window (combined with max); the amax histories roll once per optimizer step, after the
-  step (or the skip), so a skipped step still records its amaxes. Under DDP the pending amaxes are
-  first MAX-reduced across ranks in one collective, so every rank derives the same scales.
-* **Checkpoint state.** ``state_dict`` holds the loss-scaler state, the skipped-step count and every
-  layer's FP8 state keyed by module name, as tensors and plain values only (``weights_only=True``
-  loads it). The model ``state_dict`` is untouched: it keeps the keys and dtypes of the plain model.
+  :class:`~lightning_fp8.FP8Linear` in place (idempotent; DDP ignores the returned module) and binds
+  their FP8 state into one table per recipe. If no layer can run in FP8 it raises instead of silently
+  training in high precision. Every model set up with the plugin is tracked (Fabric may set up
+  several: a generator and a discriminator). Rank 0 logs one line per model with the recipe, the
+  converted/skipped layers (with reasons), the GEMM path and the device.
+* **The autocast region.** Every forward runs inside ``torch.autocast(compute_dtype)`` plus the FP8
+  region (deferred rolling). With ``fp8_eval=False`` layers in eval mode compute in ``compute_dtype``.
+* **Loss scaling** (:mod:`lightning_fp8.loss_scaling`): by default ``"skip_nonfinite"`` for bfloat16
+  (true gradients, non-finite steps skipped and counted) and ``"dynamic"`` for float16.
+* **Once per optimizer step, for the state tables of the models that optimizer updates:** when the loss
+  scale changed, the ``grad_output`` amaxes recorded under the old scale are rescaled to the new one
+  (every table); under DDP the pending amaxes are MAX-reduced across ranks in one collective; then the
+  amax histories roll. A constant number of tensor operations per state table, whatever the depth.
+* **Checkpoint state.** ``state_dict`` holds the loss-scaler state, the skipped-step count and the FP8
+  state of every model (in set-up order), as tensors and plain values only (``weights_only=True`` loads
+  it). The model ``state_dict`` is untouched: it keeps the keys and dtypes of the plain model. On resume
+  with more than one rank the element counters restart from zero on every rank (a checkpoint holds the
+  saving rank's counters); :class:`~lightning_fp8.stats.FP8Stats` takes a new baseline from them.
 
 Synchronisations: the FP8 layers and the bookkeeping never read a device value on the host. With
 an optimizer that accepts the scaler's tensors (``_step_supports_amp_scaling``, e.g.
 ``torch.optim.AdamW(fused=True)``), a step performs no device-to-host synchronisation; with any
 other optimizer, ``GradScaler.step`` reads the inf-check flag once.
 
-Why subclass Lightning's ``MixedPrecision``: Lightning's throughput utilities map a ``MixedPrecision``
-plugin to its compute dtype for the FLOPs table; the FP8 plugin is an autocast plugin plus FP8 GEMMs.
-All behaviour is defined here, not inherited.
+Why ``HalfPrecision`` among the base classes: Lightning's throughput utilities (``ThroughputMonitor``,
+MFU) choose the peak FLOPs from the plugin's class, and read ``_desired_input_dtype`` only for
+``HalfPrecision`` (Trainer and Fabric). This plugin sets it to ``torch.int8`` where the native FP8 GEMM
+runs (Lightning's FLOPs table keeps FP8 peaks under ``int8``, as it does for its Transformer Engine
+plugin) and to the compute dtype otherwise. Every method ``HalfPrecision`` defines is overridden here;
+nothing of it is inherited.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.precision.amp import MixedPrecision
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.plugins.precision.half import HalfPrecision
+from lightning.fabric.plugins.precision.precision import Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
+from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
 
+from lightning_fp8 import gemm
 from lightning_fp8.convert import ConversionReport, convert_to_fp8
-from lightning_fp8.distributed import all_reduce_pending_amax, keep_fp8_state_local_under_ddp
-from lightning_fp8.linear import fp8_autocast
+from lightning_fp8.distributed import all_reduce_pending_amax, world_size
+from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss_scaling
 from lightning_fp8.recipe import FP8Recipe
-from lightning_fp8.scaling import fp8_state_dict, load_fp8_state_dict, roll_amax_history
+from lightning_fp8.region import fp8_region
+from lightning_fp8.state import FP8StateTable, fp8_state_dict, load_fp8_state_dict, state_tables
 
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
-PLUGIN_STATE_VERSION = 1
+PLUGIN_STATE_VERSION = 2
 
 
-class FP8Precision(MixedPrecision):
-    """FP8 training for Lightning Fabric: ``Fabric(plugins=[FP8Precision()])``.
+class FP8PrecisionBase(Precision):
+    """The logic of both FP8 plugins (see the module docstring). Use :class:`FP8Precision` (Fabric) or
+    :class:`lightning_fp8.FP8Precision` (Trainer).
 
     All arguments are keyword-only and plainly typed so LightningCLI yaml can express them.
 
     Args:
         recipe: ``"tensorwise"`` (current scaling, default), ``"delayed"`` (amax history, Transformer
             Engine semantics) or ``"rowwise"`` (per-row power-of-two scales). See :mod:`lightning_fp8.recipe`.
-        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients; default) or ``"e4m3"``.
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``; ``None`` (default): the
+            recipe's default (``hybrid``; ``e4m3`` for ``rowwise``, its only format).
         amax_history_len: length of each tensor's amax ring buffer (default 16).
-        amax_compute_algo: ``"max"`` or ``"most_recent"`` (``delayed`` only).
-        margin: ``delayed`` scales are divided by ``2**margin``.
-        power_of_2_scale: round every scale down to a power of two.
+        amax_compute_algo: ``"max"`` or ``"most_recent"``; ``delayed`` only (``None``: ``"max"``).
+        margin: ``delayed`` scales are divided by ``2**margin``; ``delayed`` only.
+        power_of_2_scale: round every scale down to a power of two (``None``: only for ``rowwise``).
         compute_dtype: dtype of ``torch.autocast`` around the forward: ``torch.bfloat16`` (default) or
             ``torch.float16``. Parameters and optimizer state stay in their own dtype (float32).
         exclude: glob patterns of fully-qualified module names kept in high precision (e.g. ``["lm_head"]``).
         skip_unaligned: keep layers whose features are not multiples of 16 in high precision (default).
         fp8_eval: run validation, test and predict in FP8 too (default ``True``: the model is evaluated
             with the numerics it is trained with, so validation and training losses are comparable).
-            With ``False`` evaluation runs in ``compute_dtype`` only.
-        loss_scaling: dynamic loss scaling with ``torch.amp.GradScaler`` (default ``True``). Off, steps
-            with non-finite gradients are not skipped.
-        init_scale: ``GradScaler`` setting: the initial loss scale (default ``2**16``).
-        growth_factor: ``GradScaler`` setting: the scale is multiplied by this after ``growth_interval``
-            consecutive steps with finite gradients (default ``2.0``).
-        backoff_factor: ``GradScaler`` setting: the scale is multiplied by this when a step is skipped for
-            non-finite gradients (default ``0.5``).
-        growth_interval: ``GradScaler`` setting: consecutive clean steps before the scale grows (default ``2000``).
+            With ``False``, layers in eval mode compute in ``compute_dtype`` only.
+        loss_scaling: ``"auto"`` (default: ``"dynamic"`` for float16, ``"skip_nonfinite"`` for bfloat16),
+            ``"dynamic"`` (or ``True``), ``"skip_nonfinite"`` or ``"off"`` (or ``False``); see
+            :mod:`lightning_fp8.loss_scaling`.
+        init_scale: ``GradScaler`` setting for ``"dynamic"``: the initial loss scale (default ``2**16``).
+        growth_factor: ``GradScaler`` setting for ``"dynamic"``: the scale is multiplied by this after
+            ``growth_interval`` consecutive steps with finite gradients (default ``2.0``).
+        backoff_factor: ``GradScaler`` setting for ``"dynamic"``: the scale is multiplied by this when a step
+            is skipped for non-finite gradients (default ``0.5``).
+        growth_interval: ``GradScaler`` setting for ``"dynamic"``: consecutive clean steps before the scale
+            grows (default ``2000``).
 
     Raises:
         ValueError: for any invalid value, naming the field and the valid values.
@@ -96,16 +118,16 @@ class FP8Precision(MixedPrecision):
         self,
         *,
         recipe: Literal["tensorwise", "delayed", "rowwise"] = "tensorwise",
-        fp8_format: Literal["hybrid", "e4m3"] = "hybrid",
+        fp8_format: Literal["hybrid", "e4m3"] | None = None,
         amax_history_len: int = 16,
-        amax_compute_algo: Literal["max", "most_recent"] = "max",
+        amax_compute_algo: Literal["max", "most_recent"] | None = None,
         margin: int = 0,
-        power_of_2_scale: bool = False,
+        power_of_2_scale: bool | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         exclude: list[str] | None = None,
         skip_unaligned: bool = True,
         fp8_eval: bool = True,
-        loss_scaling: bool = True,
+        loss_scaling: LossScalingMode | bool = "auto",
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -137,29 +159,67 @@ class FP8Precision(MixedPrecision):
         self.exclude = list(exclude)
         self.skip_unaligned = bool(skip_unaligned)
         self.fp8_eval = bool(fp8_eval)
-        self.loss_scaling = bool(loss_scaling)
-        self._scaler_kwargs = {
-            "init_scale": float(init_scale),
-            "growth_factor": float(growth_factor),
-            "backoff_factor": float(backoff_factor),
-            "growth_interval": growth_interval,
-        }
-        # Read by Lightning's throughput utilities (FLOPs of the compute dtype).
-        self._desired_input_dtype = compute_dtype
-        self.scaler: torch.amp.GradScaler | None = None
-        self.device: str | None = None
-        self.report: ConversionReport | None = None
-        self._model: nn.Module | None = None
-        self._skipped_steps: Tensor | None = None
-        self._pending_state: dict[str, Any] | None = None
-        self._announced = False
+        self.loss_scaling = resolve_loss_scaling(loss_scaling, compute_dtype)
+        self.loss_scaler = LossScaler(
+            self.loss_scaling,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+        )
+        #: The models set up with this plugin, in set-up order.
+        self.fp8_models: list[nn.Module] = []
+        #: One conversion report per model.
+        self.reports: list[ConversionReport] = []
+        self._tables: list[FP8StateTable] = []
+        self._param_owner: dict[int, int] = {}
+        self._optimizer_tables: dict[int, list[FP8StateTable]] = {}
+        self._pending_states: list[dict[str, Any]] = []
+        self._announced = 0
+
+    # ------------------------------------------------------------------ what Lightning reads
+    @property
+    def _desired_input_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """For Lightning's FLOPs table: ``torch.int8`` (its FP8 peak entry) on the native FP8 path, else the compute
+        dtype. Before a model is set up the device is the current CUDA device, if any (Lightning asks at setup)."""
+        if self.fp8_models:
+            device = self._device()
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.int8 if gemm.gemm_path(device) == "native" else self.compute_dtype
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The ``torch.amp.GradScaler`` (``None`` with ``loss_scaling="off"``), created with the plugin."""
+        return self.loss_scaler.scaler
+
+    @property
+    def loss_scale(self) -> Tensor | None:
+        """Current loss scale on the device (1 with ``"skip_nonfinite"``, ``None`` with ``"off"``)."""
+        return self.loss_scaler.scale_tensor
+
+    @property
+    def skipped_steps(self) -> Tensor:
+        """Cumulative number of optimizer steps skipped for non-finite gradients, on the device."""
+        return self.loss_scaler.skipped_steps
+
+    @property
+    def report(self) -> ConversionReport | None:
+        """The conversion report of the most recently set-up model."""
+        return self.reports[-1] if self.reports else None
+
+    @property
+    def state_tables(self) -> list[FP8StateTable]:
+        """The FP8 state tables of all set-up models."""
+        return list(self._tables)
 
     # ------------------------------------------------------------------ conversion
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Convert ``module``'s eligible Linear layers to FP8 in place and return it.
+        """Convert ``module``'s eligible Linear layers to FP8 in place, bind their state, track the model.
 
         Raises:
-            ValueError: if no layer of the model can run in FP8.
+            ValueError: if no layer of the model can run in FP8, or for sharded (FSDP) modules.
         """
         self._check_strategy(module)
         report = convert_to_fp8(
@@ -171,13 +231,18 @@ class FP8Precision(MixedPrecision):
                 "FP8Precision found no layer that can run in FP8 (" + reasons + "). Refusing to train silently in "
                 "high precision: remove the plugin, or adjust `exclude` / `skip_unaligned`."
             )
-        keep_fp8_state_local_under_ddp(module)
-        self._model = module
-        self.report = report
-        self._announced = False
-        if self._pending_state is not None:
-            load_fp8_state_dict(module, self._pending_state)
-            self._pending_state = None
+        known = next((i for i, m in enumerate(self.fp8_models) if m is module), None)
+        if known is not None:
+            self.reports[known] = report
+        else:
+            self.fp8_models.append(module)
+            self.reports.append(report)
+            for param in module.parameters():
+                self._param_owner.setdefault(id(param), len(self.fp8_models) - 1)
+            if self._pending_states:
+                self._load_model_state(module, self._pending_states.pop(0))
+        self._tables = [t for m in self.fp8_models for t in state_tables(m)]
+        self._optimizer_tables.clear()
         return module
 
     def _check_strategy(self, module: nn.Module | None) -> None:
@@ -192,145 +257,192 @@ class FP8Precision(MixedPrecision):
                 "supported yet."
             )
 
-    def _device(self) -> torch.device:
-        assert self._model is not None
-        for tensor in self._model.parameters():
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Tensors are created in their own dtype (no default-dtype change)."""
+        return nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        """Modules are created as usual; conversion happens in :meth:`convert_module`."""
+        return nullcontext()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Batches are left as they are (Lightning's ``bf16-mixed`` does not cast them either): float targets,
+        masks and weights keep their precision; autocast casts what reaches a GEMM."""
+        return data
+
+    def _device(self, index: int = 0) -> torch.device:
+        for tensor in self.fp8_models[index].parameters():
             return tensor.device
         return torch.device("cpu")
 
     def announce(self) -> None:
-        """Log, on rank 0 and once per setup, the one line that confirms FP8 is active (Trainer: at
-        ``connect``; Fabric: at the first forward, once the model is on its device and wrapped)."""
-        if self._announced or self.report is None:
-            return
-        # Fabric wraps the module for its strategy after convert_module: check the result once here.
-        self._check_strategy(self._model)
-        self._announced = True
-        device = self._device()
-        self.report.device = str(device)
-        rank_zero_info(f"lightning_fp8: {self.report.summary()}; compute dtype {self.compute_dtype}")
+        """Log, on rank 0 and once per model, the line that confirms FP8 is active (Trainer: at ``connect``;
+        Fabric: at the first forward, once the models are on their device and wrapped)."""
+        while self._announced < len(self.fp8_models):
+            index = self._announced
+            self._announced += 1
+            # Fabric wraps the module for its strategy after convert_module: check the result once here.
+            self._check_strategy(self.fp8_models[index])
+            device = self._device(index)
+            if index == 0:
+                self.loss_scaler.bind(device)
+            report = self.reports[index]
+            report.device = str(device)
+            report.gemm_path = gemm.gemm_path(device)
+            rank_zero_info(f"lightning_fp8: {report.summary()}; compute dtype {self.compute_dtype}")
 
     # ------------------------------------------------------------------ forward
+    @override
     def forward_context(self) -> AbstractContextManager:
-        """``torch.autocast(compute_dtype)`` plus the FP8 region (FP8 off in eval if ``fp8_eval=False``)."""
-        if self._model is None:
-            return torch.autocast("cpu", dtype=self.compute_dtype, enabled=False)  # not set up yet
+        """``torch.autocast(compute_dtype)`` plus the FP8 region (layers in eval mode stay in ``compute_dtype``
+        when ``fp8_eval=False``)."""
+        if not self.fp8_models:
+            return nullcontext()  # not set up yet
         self.announce()
-        device = self._device()
-        self.device = device.type
-        fp8 = self.fp8_eval or self._model.training
         stack = ExitStack()
-        stack.enter_context(torch.autocast(device.type, dtype=self.compute_dtype))
-        stack.enter_context(fp8_autocast(enabled=fp8, defer_amax_history_roll=True))
+        stack.enter_context(torch.autocast(self._device().type, dtype=self.compute_dtype))
+        stack.enter_context(fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval))
         return stack
 
-    # ------------------------------------------------------------------ loss scaling
-    def _get_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
-        if not self.loss_scaling:
-            return None
-        if self.scaler is None:
-            self.scaler = torch.amp.GradScaler(device_type, **self._scaler_kwargs)
-        return self.scaler
-
-    def _scale_loss(self, tensor: Tensor) -> Tensor:
-        scaler = self._get_scaler(tensor.device.type)
-        return tensor if scaler is None else scaler.scale(tensor)
-
-    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Scale the loss (dynamic loss scaling), then run the backward pass."""
-        self._scale_loss(tensor).backward(*args, **kwargs)
-
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale the gradients in place (before clipping or inspecting them)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-
+    # ------------------------------------------------------------------ the step
     @staticmethod
     def _check_optimizer(optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, LBFGS):
             raise TypeError(
-                "FP8Precision does not support LBFGS or other closure-driven optimizers: dynamic loss scaling must "
-                "see the gradients of one backward before the step. Use a first-order optimizer (SGD, Adam, AdamW)."
+                "FP8Precision does not support LBFGS or other closure-driven optimizers: loss scaling must see the "
+                "gradients of one backward before the step. Use a first-order optimizer (SGD, Adam, AdamW)."
             )
+
+    def _tables_of(self, optimizer: Any) -> list[FP8StateTable]:
+        """The state tables of the models whose parameters ``optimizer`` updates (all, if it updates none)."""
+        inner = optimizer
+        while hasattr(inner, "optimizer") or hasattr(inner, "_optimizer"):  # Fabric / Lightning wrappers
+            inner = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer")
+        cached = self._optimizer_tables.get(id(inner))
+        if cached is None:
+            owners = {
+                self._param_owner[id(p)]
+                for group in getattr(inner, "param_groups", [])
+                for p in group["params"]
+                if id(p) in self._param_owner
+            }
+            models = [self.fp8_models[i] for i in sorted(owners)] or self.fp8_models
+            cached = [t for m in models for t in state_tables(m)]
+            self._optimizer_tables[id(inner)] = cached
+        return cached
 
     def _step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Step (or skip) through the scaler, count skipped steps, update the scale, roll amax histories."""
-        scaler = self.scaler
-        if scaler is None or scaler._scale is None:  # no loss scaling, or no scaled backward yet
-            out = optimizer.step(**kwargs)
-        else:
-            out = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-            found_inf = sum(
-                v.to(scaler._scale.device, non_blocking=True)
-                for v in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-            )
-            skipped = (found_inf > 0).to(torch.int64)
-            self._skipped_steps = skipped if self._skipped_steps is None else self._skipped_steps + skipped
-            scaler.update()
-        self.after_optimizer_step()
+        """Step (or skip) through the loss scaler, then the FP8 bookkeeping of this optimizer's models."""
+        out, ratio = self.loss_scaler.step(optimizer, **kwargs)
+        self.after_optimizer_step(optimizer, ratio)
         return out
 
-    def after_optimizer_step(self) -> None:
-        """Reduce the pending amaxes across data-parallel ranks (one collective), then roll every FP8
-        layer's amax history once, after the last backward of the window."""
-        if self._model is not None:
-            all_reduce_pending_amax(self._model)
-            roll_amax_history(self._model)
-
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Fabric: step through the loss scaler (skipping non-finite steps) and do the FP8 bookkeeping."""
-        self._check_optimizer(optimizer)
-        return self._step(optimizer, **kwargs)
-
-    # ------------------------------------------------------------------ statistics for the callback
-    @property
-    def loss_scale(self) -> Tensor | None:
-        """Current loss scale, on the device (``None`` before the first backward or without loss scaling)."""
-        return None if self.scaler is None else self.scaler._scale
-
-    @property
-    def skipped_steps(self) -> Tensor | None:
-        """Cumulative number of optimizer steps skipped for non-finite gradients, on the device."""
-        return self._skipped_steps
+    def after_optimizer_step(self, optimizer: Any = None, loss_scale_ratio: Tensor | None = None) -> None:
+        """The FP8 bookkeeping of one optimizer step (a constant number of tensor operations per state table):
+        rescale every table's grad_output amaxes if the loss scale changed, MAX-reduce the pending amaxes of the
+        optimizer's models across ranks (one collective), roll their histories."""
+        if loss_scale_ratio is not None:
+            for table in self._tables:
+                table.rescale_grad_output(loss_scale_ratio)
+        tables = self._tables if optimizer is None else self._tables_of(optimizer)
+        all_reduce_pending_amax(tables)
+        for table in tables:
+            table.roll()
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
-        """Loss-scaler state, skipped-step count and every layer's FP8 state: tensors and plain values only."""
-        state: dict[str, Any] = {"version": PLUGIN_STATE_VERSION, "recipe": self.recipe.to_dict()}
-        state["loss_scaler"] = self.scaler.state_dict() if self.scaler is not None else {}
-        state["skipped_steps"] = None if self._skipped_steps is None else self._skipped_steps.detach().clone()
-        state["fp8"] = fp8_state_dict(self._model) if self._model is not None else None
-        return state
+        """Loss-scaler state, skipped-step count and every model's FP8 state: tensors and plain values only."""
+        scaler = self.loss_scaler.state_dict()
+        return {
+            "version": PLUGIN_STATE_VERSION,
+            "recipe": self.recipe.to_dict(),
+            "loss_scaling": scaler["mode"],
+            "loss_scaler": scaler["scaler"],
+            "skipped_steps": scaler["skipped_steps"],
+            "models": [fp8_state_dict(model) for model in self.fp8_models],
+        }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved.
+        """Restore what :meth:`state_dict` saved (or lightning-fp8 0.1's plugin state).
+
+        The FP8 states go to the set-up models in order; states of models not set up yet wait for them.
 
         Raises:
             ValueError: if the checkpoint was written with another recipe or FP8 settings.
         """
-        if state_dict.get("version") != PLUGIN_STATE_VERSION:
-            raise ValueError(f"Unknown FP8Precision checkpoint state version {state_dict.get('version')!r}")
-        saved = state_dict["recipe"]
-        if saved != self.recipe.to_dict():
+        version = state_dict.get("version")
+        if version == 1:
+            state_dict = {
+                **state_dict,
+                "loss_scaling": "dynamic" if state_dict["loss_scaler"] else "off",
+                "skipped_steps": state_dict.get("skipped_steps") if state_dict.get("skipped_steps") is not None else torch.zeros((), dtype=torch.int64),
+                "models": [] if state_dict.get("fp8") is None else [state_dict["fp8"]],
+            }
+        elif version != PLUGIN_STATE_VERSION:
+            raise ValueError(f"Unknown FP8Precision checkpoint state version {version!r}")
+        saved = FP8Recipe.from_dict(state_dict["recipe"])
+        if saved != self.recipe:
             raise ValueError(
-                f"The checkpoint was trained with FP8 recipe {saved}, but this FP8Precision is configured with "
-                f"{self.recipe.to_dict()}. Resume with the same settings; to switch recipes, load only the model "
+                f"The checkpoint was trained with FP8 recipe {saved.to_dict()}, but this FP8Precision is configured "
+                f"with {self.recipe.to_dict()}. Resume with the same settings; to switch recipes, load only the model "
                 "weights (they do not depend on the recipe) and start a new run."
             )
-        if state_dict["loss_scaler"]:
-            if not self.loss_scaling:
-                raise ValueError("The checkpoint has a loss-scaler state but FP8Precision(loss_scaling=False).")
-            device_type = self._device().type if self._model is not None else "cpu"
-            self._get_scaler(device_type).load_state_dict(state_dict["loss_scaler"])  # type: ignore[union-attr]
-        skipped = state_dict.get("skipped_steps")
-        self._skipped_steps = None if skipped is None else skipped.clone()
-        fp8 = state_dict.get("fp8")
-        if fp8 is not None:
-            if self._model is not None:
-                load_fp8_state_dict(self._model, fp8)
-            else:
-                self._pending_state = fp8
+        if len(state_dict["models"]) < len(self.fp8_models):
+            raise ValueError(
+                f"The checkpoint holds the FP8 state of {len(state_dict['models'])} model(s), but {len(self.fp8_models)} "
+                "are set up with this FP8Precision."
+            )
+        warning = self.loss_scaler.load_state_dict(
+            {"mode": state_dict["loss_scaling"], "scaler": state_dict["loss_scaler"], "skipped_steps": state_dict["skipped_steps"]}
+        )
+        if warning:
+            rank_zero_warn(f"FP8Precision: {warning}.")
+        models = list(state_dict["models"])
+        for model in self.fp8_models:
+            self._load_model_state(model, models.pop(0))
+        self._pending_states = models
 
+    def _load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        # With several ranks the checkpoint holds the counters of the rank that saved it: each rank restarts its
+        # counters from zero instead of counting that rank twice (FP8Stats takes a new baseline from them).
+        load_fp8_state_dict(model, state, counters=world_size() == 1)
+
+    @override
     def teardown(self) -> None:
-        """Nothing device-side to free; kept for symmetry with Lightning's plugins."""
+        """Nothing device-side to free."""
+
+
+class FP8Precision(FP8PrecisionBase, HalfPrecision):
+    """FP8 training for Lightning Fabric: ``Fabric(plugins=[FP8Precision()])``.
+
+    Every argument is described in :class:`FP8PrecisionBase`. Forward arguments are cast to
+    ``compute_dtype`` as Fabric's ``bf16-mixed`` casts them (the Trainer plugin leaves batches alone);
+    outputs come back in the default dtype. Statistics for a Fabric loop: :class:`lightning_fp8.FP8Stats`.
+    """
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating-point forward arguments to ``compute_dtype``, as Fabric's ``bf16-mixed`` does."""
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Scale the loss (``"dynamic"`` loss scaling), then run the backward pass."""
+        self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale the gradients in place (before clipping or inspecting them); once per step."""
+        self.loss_scaler.unscale(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """Step through the loss scaler (skipping non-finite steps), then the FP8 bookkeeping."""
+        self._check_optimizer(optimizer)
+        return self._step(optimizer, **kwargs)

@@ -8,12 +8,18 @@ call, also on CPU, so CPU tests catch what the CUDA kernel would reject. Shapes 
 multiple-of-16 rule (any ``nn.Linear`` shape is allowed) are zero-padded, which leaves the product
 unchanged, and the result is sliced back.
 
-The emulation does what ``_scaled_mm`` does: FP8 values are exact in bfloat16, the product is
-accumulated in float32 by the bf16 matrix-multiply kernel (oneDNN/AMX on CPU) and the dequantization
-scales are applied to the product in float32. The only difference from the fused kernel is that the
-CPU kernel rounds its float32 accumulator to bfloat16 before the scales are applied (exact when the
-scales are powers of two). With ``out_dtype=torch.float32`` the emulation multiplies in float32
-instead, which is exact.
+The emulation does what CUDA's ``_scaled_mm`` does, with one rounding::
+
+    product = float32(a) @ float32(b)          FP8 values are exact in float32, so is every product;
+                                               the sums accumulate in float32
+    out     = (product * inv_a * inv_b).to(out_dtype)     the dequantization scales applied to the
+                                               float32 accumulator, then one rounding to out_dtype
+
+It differs from the CUDA kernel only in the order of the float32 additions (which no two GEMM kernels
+share) and in ``use_fast_accum`` (CUDA's faster, less precise accumulation of the forward GEMM, which
+the emulation does not imitate). For ``rowwise`` the CUDA kernel only outputs bfloat16; callers then
+convert to their dtype, as on CUDA. The float32 product is also the fast choice on CPUs without bf16
+matrix units (on the AVX2 machines of this project's CI a float32 GEMM is ~150x faster than a bf16 one).
 """
 
 from __future__ import annotations
@@ -31,6 +37,19 @@ log = logging.getLogger(__name__)
 
 GemmPath = Literal["native", "emulated"]
 _FP8_DTYPES = (E4M3, E5M2)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def scaled_mm_out_dtype(requested: torch.dtype, rowwise: bool) -> torch.dtype:
+    """The output dtype to ask the FP8 GEMM for, given the dtype the caller wants.
+
+    Row-wise scaling produces bfloat16 only (CUDA's kernel); otherwise the requested dtype if the GEMM
+    can output it (float32, bfloat16, float16), else float32 (e.g. for float64 parameters). Callers
+    convert the result to their dtype.
+    """
+    if rowwise:
+        return torch.bfloat16
+    return requested if requested in _OUT_DTYPES else torch.float32
 
 
 def gemm_path(device: torch.device | str) -> GemmPath:
@@ -49,9 +68,9 @@ def describe_gemm_path(device: torch.device | str) -> str:
     if gemm_path(device) == "native":
         return f"native FP8 GEMM (torch._scaled_mm) on {device}"
     return (
-        f"emulated FP8 GEMM on {device} (FP8 numerics exactly as on FP8 hardware, products on the bf16 path with "
-        "float32 accumulation; the casts come on top, so this is slower than bf16: no FP8 speedup without FP8 "
-        "tensor cores, compute capability 8.9+)"
+        f"emulated FP8 GEMM on {device} (the FP8 casts as on FP8 hardware; products of the FP8 values in float32 "
+        "with float32 accumulation, scales applied to the float32 result, one rounding to the output dtype; "
+        "slower than bf16: no FP8 speedup without FP8 tensor cores, compute capability 8.9+)"
     )
 
 
@@ -140,16 +159,13 @@ def fp8_mm(
 
 
 def emulated_scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``torch._scaled_mm``'s math without FP8 hardware (see the module docstring).
+    """``torch._scaled_mm``'s math without FP8 hardware, rounded once (see the module docstring).
 
-    Autocast is switched off around the product: an enclosing fp16 autocast would otherwise cast the
-    operands to float16 and overflow the unscaled product.
+    Autocast is switched off around the product: an enclosing autocast would otherwise cast the float32
+    operands to its low-precision dtype (and an fp16 one would overflow the unscaled product).
     """
     with torch.autocast(a.device.type, enabled=False):
-        if out_dtype == torch.float32:
-            product = a.to(torch.float32) @ b.to(torch.float32)
-        else:
-            product = (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).to(torch.float32)
+        product = a.to(torch.float32) @ b.to(torch.float32)
     if inv_a.numel() == 1 and inv_b.numel() == 1:
         return (product * (inv_a * inv_b)).to(out_dtype)  # one alpha, as cuBLAS applies it
     return (product * inv_a * inv_b).to(out_dtype)

@@ -1,92 +1,52 @@
-"""FP8Linear: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 inside :func:`fp8_autocast`.
+"""FP8Linear: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 inside :func:`~lightning_fp8.fp8_autocast`.
 
 ::
 
-    output      = x · Wᵀ          x: E4M3, W: E4M3
-    grad_input  = grad_out · W     grad_out: E5M2 (hybrid) or E4M3
-    grad_weight = grad_outᵀ · x
+    output      = x · Wᵀ          forward
+    grad_input  = grad_out · W     grad_input
+    grad_weight = grad_outᵀ · x    grad_weight
 
-Each of ``x``, ``W`` and ``grad_out`` is quantized once per use (``tensorwise``/``delayed``: once in
-all; ``rowwise``: once per GEMM, along the GEMM's reduction dimension). For ``tensorwise`` and
-``delayed`` only the FP8 copies of ``x`` and ``W`` and their scales are saved for backward, about half
-the bytes that ``nn.Linear`` under bf16 autocast keeps (torchao keeps the high-precision input);
-``rowwise`` saves ``x`` in the compute dtype, as ``nn.Linear`` does.
+One autograd function serves every recipe. It quantizes each operand as the recipe's
+:class:`~lightning_fp8.recipe.LinearCastSpecs` say, and reuses an FP8 copy wherever two GEMMs cast a
+tensor the same way (``tensorwise``, ``delayed``: ``x`` and ``W`` once each, ``grad_out`` once). For the
+backward it saves only what the needed gradients use: the FP8 copy when the backward casts the tensor as
+the forward did (about half the bytes that ``nn.Linear`` under bf16 autocast keeps; torchao keeps the
+high-precision input), else the tensor itself (``rowwise``, where each GEMM scales along its own
+reduction dimension; the input then in the autocast dtype, as ``nn.Linear`` saves it).
 
-Outside :func:`fp8_autocast` (and for an empty batch) the layer is exactly ``nn.Linear``.
+Each cast records its statistics into the layer's row of the FP8 state table (see
+:mod:`lightning_fp8.state`): the forward's casts in training mode outside ``inference_mode``, the
+backward's first ``grad_out`` cast likewise. An activation-checkpointing recomputation replays the
+original forward's decisions (see :mod:`lightning_fp8.region`) and records nothing again.
+
+Outside an enabled :func:`~lightning_fp8.fp8_autocast` region (and for an empty batch) the layer is
+exactly ``nn.Linear``.
+
+The weight provider seam: ``layer.weight_provider`` (default ``None``) may be set to a callable
+``(layer, spec) -> Quantized | None`` that hands over an already-quantized weight for a cast spec (a
+sharded FP8 weight gathered in FP8 does this); ``None`` from it, or no provider, quantizes
+``layer.weight`` here. A provided weight's statistics are recorded as if the layer had cast it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fp8.cast import quantize_rowwise, quantize_tensorwise
-from lightning_fp8.gemm import fp8_mm
-from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, FP8Recipe, resolve_recipe
-from lightning_fp8.scaling import STATE_BUFFERS, FP8State, init_state, state_of
+from lightning_fp8 import gemm
+from lightning_fp8.module import FP8Module
+from lightning_fp8.quantize import Quantized, quantize
+from lightning_fp8.recipe import E4M3, E5M2, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
+from lightning_fp8.region import ForwardDecision, decide, in_recomputation
+from lightning_fp8.state import FP8StateTable
 
-_GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class _AutocastState:
-    enabled: bool = False
-    defer_amax_history_roll: bool = False
-
-
-_AUTOCAST = _AutocastState()
-
-
-@contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, *, defer_amax_history_roll: bool = False) -> Iterator[None]:
-    """Region in which :class:`FP8Linear` layers compute in FP8. Nestable; restores the outer state.
-
-    Args:
-        enabled: ``False`` makes FP8Linear layers behave exactly like ``nn.Linear`` inside the region.
-        defer_amax_history_roll: leave the amaxes recorded inside the region pending until
-            :func:`lightning_fp8.roll_amax_history` is called (the precision plugin does this once per
-            optimizer step so that all micro-batches of an accumulation window share one scale).
-            By default every cast rolls its tensor's history immediately.
-
-    The backward pass may run outside the region: each layer decides at forward time.
-    """
-    previous = (_AUTOCAST.enabled, _AUTOCAST.defer_amax_history_roll)
-    _AUTOCAST.enabled, _AUTOCAST.defer_amax_history_roll = bool(enabled), bool(defer_amax_history_roll)
-    try:
-        yield
-    finally:
-        _AUTOCAST.enabled, _AUTOCAST.defer_amax_history_roll = previous
-
-
-def is_fp8_autocast_enabled() -> bool:
-    """Whether the current code runs inside an enabled :func:`fp8_autocast` region."""
-    return _AUTOCAST.enabled
-
-
-def _in_backward() -> bool:
-    # A forward running while the autograd engine executes a graph is an activation-checkpointing
-    # recomputation: it must reuse the scales of the original forward and not record statistics twice.
-    # Under torch.compile the recomputation happens inside the compiled backward graph, which never
-    # runs the forward's state updates, so there is nothing to detect.
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
-
-
-def _in_inference_mode() -> bool:
-    # Inference never moves the FP8 state, even in training mode. (Dynamo cannot trace this query; a
-    # compiled graph follows ``module.training`` alone.)
-    if torch.compiler.is_compiling():
-        return False
-    return torch.is_inference_mode_enabled()
-
-
-def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in _GEMM_OUT_DTYPES else torch.float32
+#: ``(layer, spec) -> Quantized | None``: see the module docstring.
+WeightProvider = Callable[[nn.Module, CastSpec], "Quantized | None"]
 
 
 def _column_major(x: Tensor) -> Tensor:
@@ -94,91 +54,114 @@ def _column_major(x: Tensor) -> Tensor:
     return x.t().contiguous().t()
 
 
-class _TensorwiseFn(torch.autograd.Function):
-    """The three GEMMs for ``tensorwise`` and ``delayed``; ``x`` and ``W`` arrive already quantized."""
+@dataclass
+class _LinearCall:
+    """Everything one FP8Linear forward hands to the autograd function (and its backward)."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x2d: Tensor,
-        weight: Tensor,
-        x_fp8: Tensor,
-        x_scale: Tensor,
-        w_fp8: Tensor,
-        w_scale: Tensor,
-        state: FP8State,
-        recipe: FP8Recipe,
-        update: bool,
-        roll: bool,
-        out_dtype: torch.dtype,
-    ) -> Tensor:
-        out = fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale, _gemm_dtype(out_dtype), use_fast_accum=True)
-        # Save only what the needed gradients use: x for grad_weight, W for grad_input.
-        need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(
-            x_fp8 if need_weight_grad else None, x_scale, w_fp8 if need_input_grad else None, w_scale
+    layer: FP8Linear
+    table: FP8StateTable
+    index: int
+    specs: LinearCastSpecs
+    decision: ForwardDecision
+    out_dtype: torch.dtype
+
+    def quantize(self, x: Tensor, spec: CastSpec, record: bool, fixed: Tensor | None = None) -> Quantized:
+        history = spec.scale_source == "history" and fixed is None
+        q = quantize(
+            x,
+            spec,
+            statistics=record,
+            history_scale=self.table.role_scale[spec.role][self.index] if history else None,
+            history_ready=self.table.initialized[self.index, spec.role] if history else None,
+            scale=fixed,
         )
-        ctx.state, ctx.recipe, ctx.update, ctx.roll = state, recipe, update, roll
-        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
-        return out.to(out_dtype)
+        self.record(spec.role, q)
+        return q
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x_fp8, x_scale, w_fp8, w_scale = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        go_fp8, go_scale = quantize_tensorwise(grad_out, ctx.state, ctx.recipe, GRAD_OUTPUT, ctx.update, ctx.roll)
-        gemm_dtype = _gemm_dtype(grad_out.dtype)
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_input = fp8_mm(go_fp8, _column_major(w_fp8), go_scale, w_scale, gemm_dtype).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weight = fp8_mm(go_fp8.t().contiguous(), _column_major(x_fp8), go_scale, x_scale, gemm_dtype)
-            grad_weight = grad_weight.to(ctx.w_dtype)
-        return (grad_input, grad_weight) + (None,) * 9
+    def quantize_weight(self, weight: Tensor, spec: CastSpec, record: bool, fixed: Tensor | None) -> Quantized:
+        provider = self.layer.weight_provider
+        provided = provider(self.layer, spec) if provider is not None and fixed is None else None
+        if provided is None:
+            return self.quantize(weight, spec, record, fixed)
+        if record:
+            self.record(spec.role, provided)
+        return provided
+
+    def record(self, role: int, q: Quantized) -> None:
+        if q.stats is not None:
+            s = q.stats
+            self.table.record(self.index, role, s.amax, s.scale, s.numel, s.counts)
 
 
-class _RowwiseFn(torch.autograd.Function):
-    """The three GEMMs for ``rowwise``: every operand scaled along its GEMM's reduction dimension."""
+def _gemm_dtype(dtype: torch.dtype, spec: CastSpec) -> torch.dtype:
+    return gemm.scaled_mm_out_dtype(dtype, rowwise=spec.granularity == "row")
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """The three FP8 GEMMs of a linear layer, for every recipe (the cast specs say how to quantize).
+
+    The forward operands arrive quantized (the layer casts and records them before ``apply``, so that under
+    ``torch.compile`` no state is mutated inside the function's forward); the backward quantizes the gradient.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x2d: Tensor,
         weight: Tensor,
-        state: FP8State,
-        recipe: FP8Recipe,
-        update: bool,
-        roll: bool,
-        out_dtype: torch.dtype,
-        update_forward: bool,
+        x_data: Tensor,
+        x_scale: Tensor,
+        w_data: Tensor,
+        w_scale: Tensor,
+        call: _LinearCall,
     ) -> Tensor:
-        record = state if update_forward else None
-        x_fp8, x_scale = quantize_rowwise(x2d, -1, E4M3, record, recipe, INPUT, roll)
-        w_fp8, w_scale = quantize_rowwise(weight, -1, E4M3, record, recipe, WEIGHT, roll)
-        out = fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale.t().contiguous(), torch.bfloat16, use_fast_accum=True)
-        ctx.save_for_backward(x2d if ctx.needs_input_grad[1] else None, weight)
-        ctx.x_dtype = x2d.dtype
-        ctx.state, ctx.recipe, ctx.update, ctx.roll = state, recipe, update, roll
-        return out.to(out_dtype)
+        specs = call.specs
+        x_spec, w_spec = specs.forward
+        out = gemm.fp8_mm(
+            x_data, w_data.t(), x_scale, w_scale.t().contiguous(), _gemm_dtype(call.out_dtype, x_spec), use_fast_accum=True
+        )
+        # Save only what the needed gradients use: x (or its FP8 copy) for grad_weight, W for grad_input.
+        need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_reused = specs.grad_weight[1].same_cast(x_spec)
+        w_reused = specs.grad_input[1].same_cast(w_spec)
+        saved_x = (x_data if x_reused else x2d) if need_weight_grad else None
+        saved_w = (w_data if w_reused else weight) if need_input_grad else None
+        ctx.save_for_backward(saved_x, x_scale if x_reused else None, saved_w, w_scale if w_reused else None)
+        ctx.x_reused, ctx.w_reused = x_reused, w_reused
+        ctx.call = call
+        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
+        return out.to(call.out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x2d, weight = ctx.saved_tensors
+        saved_x, x_scale, saved_w, w_scale = ctx.saved_tensors
+        call: _LinearCall = ctx.call
+        specs = call.specs
         grad_out = grad_out.contiguous()
-        record = ctx.state if ctx.update else None
+        record = call.decision.record_backward
         grad_input = grad_weight = None
+        q_go = None
         if ctx.needs_input_grad[0]:
-            go_fp8, go_scale = quantize_rowwise(grad_out, -1, E4M3, record, ctx.recipe, GRAD_OUTPUT, ctx.roll)
-            w_fp8, w_scale = quantize_rowwise(weight, 0, E4M3)
-            grad_input = fp8_mm(go_fp8, _column_major(w_fp8), go_scale, w_scale, torch.bfloat16).to(ctx.x_dtype)
-            record = None
+            go_spec, w_spec = specs.grad_input
+            q_go = call.quantize(grad_out, go_spec, record)
+            record = False  # grad_output's statistics are recorded once per backward
+            qw = Quantized(saved_w, w_scale, None) if ctx.w_reused else call.quantize(saved_w, w_spec, False)
+            grad_input = gemm.fp8_mm(
+                q_go.data, _column_major(qw.data), q_go.scale, qw.scale, _gemm_dtype(grad_out.dtype, go_spec)
+            ).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            go_fp8, go_scale = quantize_rowwise(grad_out, 0, E4M3, record, ctx.recipe, GRAD_OUTPUT, ctx.roll)
-            x_fp8, x_scale = quantize_rowwise(x2d, 0, E4M3)
-            grad_weight = fp8_mm(
-                go_fp8.t().contiguous(), _column_major(x_fp8), go_scale.t().contiguous(), x_scale, torch.bfloat16
-            ).to(weight.dtype)
-        return (grad_input, grad_weight) + (None,) * 6
+            go_spec, x_spec = specs.grad_weight
+            if q_go is None or not go_spec.same_cast(specs.grad_input[0]):
+                q_go = call.quantize(grad_out, go_spec, record)
+            qx = Quantized(saved_x, x_scale, None) if ctx.x_reused else call.quantize(saved_x, x_spec, False)
+            grad_weight = gemm.fp8_mm(
+                q_go.data.t().contiguous(),
+                _column_major(qx.data),
+                q_go.scale.t().contiguous(),
+                qx.scale,
+                _gemm_dtype(grad_out.dtype, go_spec),
+            ).to(ctx.w_dtype)
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 def _check_input(x: Tensor) -> None:
@@ -191,13 +174,14 @@ def _check_input(x: Tensor) -> None:
         raise TypeError(f"FP8Linear expects a floating-point input, got {x.dtype}")
 
 
-class FP8Linear(nn.Linear):
-    """``nn.Linear`` whose forward and backward GEMMs run in FP8 inside :func:`fp8_autocast`.
+class FP8Linear(FP8Module, nn.Linear):
+    """``nn.Linear`` whose forward and backward GEMMs run in FP8 inside :func:`~lightning_fp8.fp8_autocast`.
 
     A subclass of ``nn.Linear`` with exactly its parameters and ``state_dict`` keys. The FP8 scaling
-    state (scales, amax ring buffers, overflow/underflow counters; see :mod:`lightning_fp8.scaling`)
-    lives in non-persistent buffers on the layer's device and is exported with
-    :func:`lightning_fp8.fp8_state_dict`.
+    state (scales, amax ring buffers, overflow/underflow counters) is one row of an FP8 state table on
+    the layer's device (see :mod:`lightning_fp8.state`); ``fp8_scale``, ``fp8_amax_history``,
+    ``fp8_amax_pending``, ``fp8_counts`` and ``fp8_initialized`` are views of that row, and
+    :func:`lightning_fp8.fp8_state_dict` exports it.
 
     Usually created by :func:`lightning_fp8.convert_to_fp8`, which turns existing ``nn.Linear``
     layers into FP8Linear in place (same object, same Parameters).
@@ -210,13 +194,14 @@ class FP8Linear(nn.Linear):
         dtype: dtype of the parameters, as for ``nn.Linear`` (the FP8 state keeps its own dtypes).
         recipe: an :class:`~lightning_fp8.FP8Recipe` or a recipe name (default ``"tensorwise"``).
 
-    Statistics and (in standalone use) amax histories are updated only in training mode
-    (``module.training``) and never under ``torch.inference_mode()``; evaluation casts use the
-    current scales and leave the state untouched, so validation never shifts a ``delayed`` scale.
-    An activation-checkpointing recomputation does not record statistics a second time.
+    Statistics are recorded only in training mode (``module.training``) and never under
+    ``torch.inference_mode()``; evaluation casts use the current scales and leave the state untouched,
+    so validation never shifts a ``delayed`` scale. An activation-checkpointing recomputation takes the
+    decisions and scales of the original forward and does not record statistics a second time.
     """
 
-    fp8_recipe: FP8Recipe
+    #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
+    weight_provider: WeightProvider | None = None
 
     def __init__(
         self,
@@ -229,8 +214,7 @@ class FP8Linear(nn.Linear):
         recipe: FP8Recipe | str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.fp8_recipe = resolve_recipe(recipe)
-        init_state(self, self.fp8_recipe, device=self.weight.device)
+        self.init_fp8_state(recipe, self.weight.device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str | None = None) -> FP8Linear:
@@ -239,64 +223,47 @@ class FP8Linear(nn.Linear):
         if type(linear) is not nn.Linear:
             raise TypeError(f"from_linear expects a plain torch.nn.Linear, got {type(linear).__name__}")
         linear.__class__ = cls
-        linear.fp8_recipe = resolve_recipe(recipe)
-        init_state(linear, linear.fp8_recipe, device=linear.weight.device)
+        linear.init_fp8_state(recipe, linear.weight.device)  # type: ignore[attr-defined]
         return linear  # type: ignore[return-value]
 
     def forward(self, input: Tensor) -> Tensor:
-        enabled = _AUTOCAST.enabled
-        recomputing = _in_backward()  # always False under torch.compile
-        if recomputing:
-            # An activation-checkpointing recomputation runs in the backward pass, usually outside the
-            # region: it must take the path of the original forward (or autograd sees other tensors).
-            enabled = getattr(self, "_fp8_forward_enabled", enabled)
-        elif not torch.compiler.is_compiling():
-            self._fp8_forward_enabled = enabled
-        if not enabled:
+        table, index = self.fp8_state.table, self.fp8_state.index
+        if in_recomputation():
+            # An activation-checkpointing recomputation (usually outside the region, maybe on an autograd
+            # thread) replays the original forward's decision: same path, same scales, no statistics again.
+            original = self._fp8_decision or ForwardDecision(enabled=False)
+            decision = dataclasses.replace(original, record_forward=False)
+        else:
+            decision = decide(self, table)
+        if not decision.enabled or input.numel() == 0:  # nothing to quantize in an empty batch
+            if not torch.compiler.is_compiling() and not in_recomputation():
+                self._fp8_decision = decision
+            if decision.enabled:
+                _check_input(input)
             return F.linear(input, self.weight, self.bias)
         _check_input(input)
-        if input.numel() == 0:
-            return F.linear(input, self.weight, self.bias)  # nothing to quantize; same result and grads
+        self._check_state_device(self.weight.device)
         device_type = input.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
-        x2d = input.reshape(-1, self.in_features).contiguous()
-        # ``update`` is what this forward's backward records (grad_output); the forward's own casts are
-        # not recorded again in a recomputation. With reentrant checkpointing the original forward runs
-        # without a graph, so the recomputation's backward is the only one that records grad_output.
-        update = self.training and not _in_inference_mode()
-        update_forward = update and not recomputing
-        roll = not _AUTOCAST.defer_amax_history_roll
-        state, recipe = state_of(self), self.fp8_recipe
-        if recipe.name == "rowwise":
-            if torch.is_autocast_enabled(device_type):
-                x2d = x2d.to(out_dtype)  # what nn.Linear under autocast saves, not the fp32 input
-            out = _RowwiseFn.apply(x2d, self.weight, state, recipe, update, roll, out_dtype, update_forward)
-        else:
-            x_fp8, x_scale = quantize_tensorwise(x2d, state, recipe, INPUT, update_forward, roll)
-            w_fp8, w_scale = quantize_tensorwise(self.weight, state, recipe, WEIGHT, update_forward, roll)
-            out = _TensorwiseFn.apply(
-                x2d, self.weight, x_fp8, x_scale, w_fp8, w_scale, state, recipe, update, roll, out_dtype
-            )
+        autocast = torch.is_autocast_enabled(device_type)
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else input.dtype
+        specs = table.recipe.cast_specs()
+        x2d = input.reshape(-1, self.in_features)
+        if autocast and not specs.grad_weight[1].same_cast(specs.forward[0]):
+            x2d = x2d.to(out_dtype)  # the input is saved for backward: keep what nn.Linear under autocast keeps
+        x2d = x2d.contiguous()
+        call = _LinearCall(self, table, index, specs, decision, out_dtype)
+        x_spec, w_spec = specs.forward
+        qx = call.quantize(x2d, x_spec, decision.record_forward, decision.scale_of(INPUT))
+        qw = call.quantize_weight(self.weight, w_spec, decision.record_forward, decision.scale_of(WEIGHT))
+        out = _FP8LinearFn.apply(x2d, self.weight, qx.data, qx.scale, qw.data, qw.scale, call)
+        if not torch.compiler.is_compiling() and not in_recomputation():
+            used = tuple((s.role, q.scale) for s, q in ((x_spec, qx), (w_spec, qw)) if s.scale_source == "history")
+            self._fp8_decision = dataclasses.replace(decision, scales=used)
         out = out.reshape(*input.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
 
-    def _apply(self, fn: Any, recurse: bool = True) -> FP8Linear:
-        # The FP8 state keeps its dtypes (float32 scales and amaxes, int64 counters) and follows only the
-        # device: ``module.to(torch.bfloat16)``, ``.half()`` or ``.double()`` cast the parameters, not the
-        # state (a bf16 scale is not the recipe's scale; a float64 one breaks the GEMM contract).
-        state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, buf in state.items():
-                moved = fn(buf)
-                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(device=moved.device)
-            moved_from_meta = any(buf.is_meta for buf in state.values()) and not self.fp8_scale.is_meta
-            if moved_from_meta:  # e.g. to_empty() after building on the meta device: the values are garbage
-                init_state(self, self.fp8_recipe, device=self.fp8_scale.device)
-        return self
-
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.fp8_recipe.name}, fp8_format={self.fp8_recipe.fp8_format}"
+        recipe = self.fp8_recipe
+        return f"{super().extra_repr()}, recipe={recipe.name}, fp8_format={recipe.fp8_format}"

@@ -1,15 +1,17 @@
-"""FP8 formats and scaling recipes: plain data plus the amax -> scale formulas.
+"""FP8 formats and scaling recipes: plain data, the amax -> scale formulas, and the per-operand cast specs.
 
 This module is the bottom layer of the package. It knows the FP8 dtypes, their maxima and the
-scaling formulas; it does not know about modules, autograd or Lightning.
+scaling formulas; it does not know about modules, autograd or Lightning. Every other module learns
+what to do from a recipe's :class:`CastSpec` objects (``FP8Recipe.cast_specs()``), never by
+branching on the recipe's name.
 
 Formats
 -------
-``hybrid`` (default)
+``hybrid`` (default for ``tensorwise`` and ``delayed``)
     E4M3 (``torch.float8_e4m3fn``, max 448) for inputs and weights, E5M2 (``torch.float8_e5m2``,
     max 57344) for gradients: gradients need range more than precision.
 ``e4m3``
-    E4M3 for all three tensors.
+    E4M3 for all three tensors (the only format of ``rowwise``: the row-wise FP8 GEMM takes E4M3 operands).
 
 Recipes
 -------
@@ -21,7 +23,7 @@ Recipes
 ``delayed`` (Transformer Engine semantics)
     One scale per tensor, computed from a ring buffer of the last ``amax_history_len`` amaxes::
 
-        amax_ref = max(history)          if amax_compute_algo == "max"
+        amax_ref = max(history)          if amax_compute_algo == "max" (default)
                  = history[most recent]  if amax_compute_algo == "most_recent"
         scale    = fp8_max / amax_ref / 2**margin
 
@@ -31,23 +33,42 @@ Recipes
     scale of 1.
 
 ``rowwise``
-    One scale per row of each GEMM operand (torchao ``rowwise`` semantics): E4M3 for all three GEMMs,
-    scales rounded down to a power of two::
+    One scale per row of each GEMM operand, along the GEMM's reduction dimension (torchao ``rowwise``
+    semantics): E4M3 for all three GEMMs, scales rounded down to a power of two by default::
 
         scale[i] = 2**floor(log2(fp8_max / max(amax(|x[i, :]|), eps)))
 
-Every recipe can round its scales down to a power of two (``power_of_2_scale=True``); a power-of-two
-scale makes the cast exact up to the FP8 rounding of the mantissa.
+Every recipe can round its scales down to a power of two (``power_of_2_scale=True``; on by default for
+``rowwise``); a power-of-two scale makes the multiplication by the scale exact.
 
 The cast itself is saturating for finite values (``|x * scale| > fp8_max`` clamps to ``±fp8_max``)
 and maps non-finite values to NaN, so a NaN or Inf in a tensor always reaches the GEMM output.
+
+Settings a recipe does not use are rejected when the recipe is built (``margin`` and
+``amax_compute_algo`` outside ``delayed``, ``fp8_format="hybrid"`` with ``rowwise``), so a
+configuration never silently means less than it says.
+
+Cast specs
+----------
+An FP8 linear layer runs three GEMMs, each with two quantized operands::
+
+    forward      output      = input       @ weightᵀ     reduction over in_features
+    grad_input   grad_input  = grad_output @ weight      reduction over out_features
+    grad_weight  grad_weight = grad_outputᵀ @ input      reduction over the tokens
+
+``FP8Recipe.cast_specs()`` compiles a recipe into one :class:`CastSpec` per operand of each GEMM
+(:class:`LinearCastSpecs`): the FP8 dtype, the granularity (one scale for the tensor, or one per slice
+along the GEMM's reduction dimension), where the scale comes from (the tensor's current amax or the
+amax history), the margin and the power-of-two rounding. Two uses of a tensor with the same cast
+(tensor granularity) share one FP8 copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -68,7 +89,7 @@ FP8_MAX = {E4M3: E4M3_MAX, E5M2: E5M2_MAX}
 #: amax is clamped to at least this value before taking the reciprocal (same value as torchao).
 AMAX_EPS = 1e-12
 
-#: The three tensors every FP8 GEMM layer quantizes, in the order used by the state buffers.
+#: The three tensors every FP8 GEMM layer quantizes, in the order used by the state table.
 ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -78,59 +99,175 @@ def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{field}={value!r} is not valid; choose one of {list(choices)}")
 
 
+def _unused(field: str, value: object, recipe: str, hint: str) -> ValueError:
+    return ValueError(f"{field}={value!r} has no effect with recipe={recipe!r}: {hint}")
+
+
+@dataclass(frozen=True)
+class CastSpec:
+    """How one GEMM operand is quantized: ``fp8 = saturate(x * scale)``.
+
+    Attributes:
+        role: which tensor this is (``INPUT``, ``WEIGHT`` or ``GRAD_OUTPUT``); its statistics are
+            recorded in that row of the layer's state.
+        dtype: the FP8 dtype.
+        granularity: ``"tensor"`` (one scale) or ``"row"`` (one scale per slice along ``axis``).
+        axis: for ``"row"``: the dimension the scales are computed *along* (the GEMM's reduction
+            dimension in the tensor's own layout): ``-1`` gives one scale per row, shape ``(M, 1)``;
+            ``0`` one per column, shape ``(1, N)``. ``None`` for ``"tensor"``.
+        scale_source: ``"current"`` (the tensor's own amax) or ``"history"`` (the amax history, falling
+            back to the current amax while the history is empty).
+        margin: the scale is divided by ``2**margin``.
+        power_of_2: the scale is rounded down to a power of two.
+    """
+
+    role: int
+    dtype: torch.dtype
+    granularity: Literal["tensor", "row"] = "tensor"
+    axis: int | None = None
+    scale_source: Literal["current", "history"] = "current"
+    margin: int = 0
+    power_of_2: bool = False
+
+    @property
+    def fp8_max(self) -> float:
+        """The largest finite value of ``dtype``."""
+        return FP8_MAX[self.dtype]
+
+    def same_cast(self, other: CastSpec) -> bool:
+        """Whether ``other`` quantizes the same tensor to the same bits (so one FP8 copy serves both)."""
+        return self == other
+
+
+@dataclass(frozen=True)
+class LinearCastSpecs:
+    """The cast specs of the six operands of a linear layer's three GEMMs (``(a, b)`` of ``a @ b``)."""
+
+    forward: tuple[CastSpec, CastSpec]  # input (M, K), weight (N, K)
+    grad_input: tuple[CastSpec, CastSpec]  # grad_output (M, N), weight (N, K)
+    grad_weight: tuple[CastSpec, CastSpec]  # grad_output (M, N), input (M, K)
+
+    @property
+    def history_scaled(self) -> bool:
+        """Whether any operand takes its scale from the amax history (the scales then depend on the state)."""
+        return any(spec.scale_source == "history" for pair in (self.forward, self.grad_input, self.grad_weight) for spec in pair)
+
+
 @dataclass(frozen=True)
 class FP8Recipe:
     """How a layer chooses its FP8 scales. Plain-typed and frozen, so it can live in yaml.
 
+    Fields left at ``None`` take the recipe's own default; a field the recipe does not use raises.
+
     Args:
         name: ``"tensorwise"`` (current scaling), ``"delayed"`` (amax history) or ``"rowwise"``.
-        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``. ``rowwise`` always uses
-            E4M3 for all three tensors, as in torchao; asking for ``hybrid`` with it is accepted and
-            means the same thing.
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``. Default: ``"hybrid"``
+            for ``tensorwise`` and ``delayed``; ``rowwise`` uses ``"e4m3"`` only.
         amax_history_len: length of the per-tensor amax ring buffer (every recipe keeps one for the
             statistics; ``delayed`` also derives its scale from it).
-        amax_compute_algo: ``"max"`` or ``"most_recent"``: how ``delayed`` reduces the history.
-        margin: ``delayed`` divides its scale by ``2**margin``.
-        power_of_2_scale: round every scale down to a power of two (always on for ``rowwise``).
+        amax_compute_algo: ``"max"`` (default) or ``"most_recent"``: how ``delayed`` reduces the
+            history. ``delayed`` only.
+        margin: ``delayed`` divides its scale by ``2**margin``. ``delayed`` only.
+        power_of_2_scale: round every scale down to a power of two. Default: ``True`` for
+            ``rowwise``, ``False`` otherwise.
 
     Raises:
-        ValueError: naming the field and the valid values, for any invalid setting.
+        ValueError: naming the field and the valid values, for any invalid or unused setting.
     """
 
     name: RecipeName = "tensorwise"
-    fp8_format: FP8Format = "hybrid"
+    fp8_format: FP8Format | None = None
     amax_history_len: int = 16
-    amax_compute_algo: AmaxComputeAlgo = "max"
+    amax_compute_algo: AmaxComputeAlgo | None = None
     margin: int = 0
-    power_of_2_scale: bool = False
+    power_of_2_scale: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("recipe", self.name, RECIPES)
-        _check_choice("fp8_format", self.fp8_format, FORMATS)
-        _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+        if self.fp8_format is not None:
+            _check_choice("fp8_format", self.fp8_format, FORMATS)
+        if self.amax_compute_algo is not None:
+            _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
-        if not isinstance(self.power_of_2_scale, bool):
-            raise ValueError(f"power_of_2_scale must be a bool, got {self.power_of_2_scale!r}")
+        if self.power_of_2_scale is not None and not isinstance(self.power_of_2_scale, bool):
+            raise ValueError(f"power_of_2_scale must be a bool (or None for the recipe's default), got {self.power_of_2_scale!r}")
+        if self.name != "delayed":
+            hint = "only recipe='delayed' uses it (it shapes the scale derived from the amax history); remove it"
+            if self.margin:
+                raise _unused("margin", self.margin, self.name, hint + " or use recipe='delayed'")
+            if self.amax_compute_algo is not None:
+                raise _unused("amax_compute_algo", self.amax_compute_algo, self.name, hint + " or use recipe='delayed'")
+        if self.name == "rowwise" and self.fp8_format == "hybrid":
+            raise _unused(
+                "fp8_format",
+                "hybrid",
+                "rowwise",
+                "the row-wise FP8 GEMM takes E4M3 operands only, so rowwise always uses 'e4m3'; leave fp8_format unset "
+                "(None) or set it to 'e4m3'",
+            )
+        # Resolve the recipe's defaults, so equal configurations compare (and checkpoint) equal.
+        resolved = {
+            "fp8_format": self.fp8_format or ("e4m3" if self.name == "rowwise" else "hybrid"),
+            "amax_compute_algo": (self.amax_compute_algo or "max") if self.name == "delayed" else None,
+            "power_of_2_scale": self.name == "rowwise" if self.power_of_2_scale is None else self.power_of_2_scale,
+        }
+        for key, value in resolved.items():
+            object.__setattr__(self, key, value)
 
     @property
     def round_to_power_of_2(self) -> bool:
         """Whether scales are rounded down to a power of two."""
-        return self.power_of_2_scale or self.name == "rowwise"
+        return bool(self.power_of_2_scale)
 
     def dtype(self, role: int) -> torch.dtype:
         """FP8 dtype for ``role`` (``INPUT``, ``WEIGHT`` or ``GRAD_OUTPUT``)."""
-        if role == GRAD_OUTPUT and self.fp8_format == "hybrid" and self.name != "rowwise":
-            return E5M2
-        return E4M3
+        return E5M2 if role == GRAD_OUTPUT and self.fp8_format == "hybrid" else E4M3
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain-value form, stored next to the FP8 state so a mismatched checkpoint is detected."""
+    def cast_specs(self) -> LinearCastSpecs:
+        """The :class:`CastSpec` of each operand of the three GEMMs of a linear layer (see the module docstring)."""
+        return _cast_specs(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-value form (defaults resolved), stored next to the FP8 state so a mismatched checkpoint is detected."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> FP8Recipe:
+        """Inverse of ``to_dict()``; also reads the form written by lightning-fp8 0.1 (which stored the
+        settings a recipe ignored, such as ``amax_compute_algo`` for ``tensorwise``)."""
+        values = dict(values)
+        name = values.get("name", "tensorwise")
+        if name != "delayed":
+            values["amax_compute_algo"] = None
+            values["margin"] = 0  # 0.1 accepted and ignored it
+        if name == "rowwise":
+            values["fp8_format"] = "e4m3"  # 0.1 accepted "hybrid" and used E4M3
+            values["power_of_2_scale"] = True  # 0.1 always rounded rowwise scales
+        return cls(**values)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_specs(recipe: FP8Recipe) -> LinearCastSpecs:
+    dtype = recipe.dtype
+    pow2 = recipe.round_to_power_of_2
+    if recipe.name == "rowwise":
+
+        def spec(role: int, axis: int) -> CastSpec:
+            return CastSpec(role, dtype(role), "row", axis, "current", 0, pow2)
+
+        return LinearCastSpecs(
+            forward=(spec(INPUT, -1), spec(WEIGHT, -1)),
+            grad_input=(spec(GRAD_OUTPUT, -1), spec(WEIGHT, 0)),
+            grad_weight=(spec(GRAD_OUTPUT, 0), spec(INPUT, 0)),
+        )
+    source: Literal["current", "history"] = "history" if recipe.name == "delayed" else "current"
+    x, w, g = (CastSpec(role, dtype(role), "tensor", None, source, recipe.margin, pow2) for role in (INPUT, WEIGHT, GRAD_OUTPUT))
+    return LinearCastSpecs(forward=(x, w), grad_input=(g, w), grad_weight=(g, x))
 
 
 def resolve_recipe(recipe: FP8Recipe | str | None, **overrides: object) -> FP8Recipe:
@@ -144,8 +281,12 @@ def resolve_recipe(recipe: FP8Recipe | str | None, **overrides: object) -> FP8Re
     raise ValueError(f"recipe must be one of {list(RECIPES)} or an FP8Recipe, got {recipe!r}")
 
 
-def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0, power_of_2: bool = False) -> torch.Tensor:
+def amax_to_scale(
+    amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: int = 0, power_of_2: bool = False
+) -> torch.Tensor:
     """``scale = fp8_max / max(amax, eps) / 2**margin``, in float64, rounded toward zero to float32.
+
+    ``fp8_max`` may be a float64 tensor that broadcasts against ``amax`` (one maximum per role).
 
     Computing the reciprocal in float64 makes eager and ``torch.compile`` agree bit for bit (they round
     a float32 division differently). Rounding toward zero keeps ``amax * scale <= fp8_max`` in float32

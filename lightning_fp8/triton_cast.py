@@ -1,6 +1,6 @@
 """Fused FP8 cast with statistics: one Triton kernel, one pass over ``x``.
 
-:func:`lightning_fp8.cast.cast_with_statistics` is the one place where a high-precision tensor becomes
+:func:`lightning_fp8.quantize.cast_with_statistics` is the one place where a high-precision tensor becomes
 FP8. Its torch reference is a handful of elementwise ops and reductions: in eager mode each is its
 own kernel, so ``x`` (and the float32 ``x * scale``) is read and written several times per cast. This
 module does the whole cast in one kernel that reads ``x`` once and writes the FP8 data once::
@@ -71,7 +71,7 @@ tl: Any = None
 
 
 def use_triton(x: Tensor) -> bool:
-    """Whether :func:`lightning_fp8.cast.cast_with_statistics` runs the fused Triton kernel for ``x``.
+    """Whether :func:`lightning_fp8.quantize.cast_with_statistics` runs the fused Triton kernel for ``x``.
 
     True only outside ``torch.compile`` (Inductor fuses the torch reference itself), for a contiguous
     float32/bfloat16/float16 ``x`` on a CUDA device, when triton can be imported. Every other case
@@ -190,7 +190,7 @@ def triton_cast_with_statistics(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype
     """Fused ``(saturated_cast(x * scale), [nonzero, overflow, underflow])``, in one pass over ``x``.
 
     Same contract and bit-for-bit the same result as the torch reference in
-    :func:`lightning_fp8.cast.cast_with_statistics`: FP8 data of ``x``'s shape and the int64 counts
+    :func:`lightning_fp8.quantize.cast_with_statistics`: FP8 data of ``x``'s shape and the int64 counts
     (shape ``(3,)``) on ``x``'s device, with no host synchronisation.
 
     Args:

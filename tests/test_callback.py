@@ -15,16 +15,16 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from models import TinyDecoder, loader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from utils import SyncCounter, make_trainer
+from utils import SyncCounter, make_trainer, per_layer
 
 from lightning_fp8 import FP8Precision, FP8StatsCallback
 
 
-def fit(tmp_path, callback, loggers, steps=12, recipe="delayed", model=None, **kwargs):
+def fit(tmp_path, callback, loggers, steps=12, recipe="delayed", model=None, loss_scaling="auto", **kwargs):
     torch.manual_seed(0)
     model = model or TinyDecoder()
     trainer = make_trainer(
-        FP8Precision(recipe=recipe), callbacks=[callback], logger=loggers, max_steps=steps,
+        FP8Precision(recipe=recipe, loss_scaling=loss_scaling), callbacks=[callback], logger=loggers, max_steps=steps,
         default_root_dir=tmp_path, **kwargs,
     )
     trainer.fit(model, loader(n=8_000))
@@ -48,7 +48,7 @@ def test_csv_and_tensorboard_receive_the_metrics(tmp_path):
     layer = model.blocks[0].fc
     assert float(last["fp8/blocks.0.fc/input/amax"]) == pytest.approx(float(layer.fp8_amax_history[0, 0]))
     assert float(last["fp8/blocks.0.fc/weight/scale"]) == pytest.approx(float(layer.fp8_scale[1]))
-    assert float(last["fp8/loss_scale"]) == 2.0**16
+    assert float(last["fp8/loss_scale"]) == 1.0  # bf16 default: gradients are not scaled
     assert float(last["fp8/skipped_steps"]) == 0.0
     for name in ("overflow_frac", "underflow_frac"):
         assert 0.0 <= float(last[f"fp8/blocks.0.fc/grad_output/{name}"]) <= 1.0
@@ -77,7 +77,7 @@ def test_csv_and_tensorboard_receive_the_metrics(tmp_path):
         assert os.path.getsize(os.path.join(logger.log_dir, "fp8_amax_heatmap.png")) > 1000
 
     # Standard path: the values are in callback_metrics for ModelCheckpoint / EarlyStopping.
-    assert float(trainer.callback_metrics["fp8/loss_scale"]) == 2.0**16
+    assert float(trainer.callback_metrics["fp8/loss_scale"]) == 1.0
 
 
 def test_checkpoint_and_early_stopping_can_monitor(tmp_path):
@@ -92,7 +92,7 @@ def test_checkpoint_and_early_stopping_can_monitor(tmp_path):
     trainer.fit(TinyDecoder(), loader(n=8_000))
     assert checkpoint.best_model_path and os.path.exists(checkpoint.best_model_path)
     assert checkpoint.best_model_score is not None and math.isfinite(float(checkpoint.best_model_score))
-    assert float(stop.best_score) == 2.0**16
+    assert float(stop.best_score) == 1.0
 
 
 class SeparatorCSV(CSVLogger):
@@ -234,21 +234,21 @@ def test_ddp_reduction_and_layer_that_runs_on_one_rank(tmp_path):
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rank0 = torch.load(tmp_path / "state_rank0.pt", weights_only=True)["layers"]
-    rank1 = torch.load(tmp_path / "state_rank1.pt", weights_only=True)["layers"]
+    rank0 = per_layer(torch.load(tmp_path / "state_rank0.pt", weights_only=True))
+    rank1 = per_layer(torch.load(tmp_path / "state_rank1.pt", weights_only=True))
     rows = [r for r in read_csv(tmp_path / "logs" / "metrics.csv") if r.get("fp8/loss_scale")]
     assert [int(r["step"]) for r in rows] == [1, 3]  # logged once per logging step, not once per rank
     last = rows[-1]
     for name in ("body", "extra"):
         for r, role in enumerate(("input", "weight", "grad_output")):
-            want = max(float(rank0[name]["fp8_amax_history"][r, 0]), float(rank1[name]["fp8_amax_history"][r, 0]))
+            want = max(float(rank0[name]["amax_history"][r, 0]), float(rank1[name]["amax_history"][r, 0]))
             assert float(last[f"fp8/{name}/{role}/amax"]) == pytest.approx(want)
-            want_scale = min(float(rank0[name]["fp8_scale"][r]), float(rank1[name]["fp8_scale"][r]))
+            want_scale = min(float(rank0[name]["scale"][r]), float(rank1[name]["scale"][r]))
             assert float(last[f"fp8/{name}/{role}/scale"]) == pytest.approx(want_scale)
     # Counts are summed: 'extra' ran on rank 0 only, 'body' on both.
-    assert int(rank1["extra"]["fp8_counts"][0, 0]) == 0 and int(rank0["extra"]["fp8_counts"][0, 0]) > 0
-    summed = int(rank0["body"]["fp8_counts"][0, 0]) + int(rank1["body"]["fp8_counts"][0, 0])
-    assert summed == 2 * int(rank0["body"]["fp8_counts"][0, 0])
+    assert int(rank1["extra"]["counts"][0, 0]) == 0 and int(rank0["extra"]["counts"][0, 0]) > 0
+    summed = int(rank0["body"]["counts"][0, 0]) + int(rank1["body"]["counts"][0, 0])
+    assert summed == 2 * int(rank0["body"]["counts"][0, 0])
 
 
 def test_wandb_offline_receives_scalars_histograms_and_heatmap(tmp_path, monkeypatch):
@@ -260,7 +260,7 @@ def test_wandb_offline_receives_scalars_histograms_and_heatmap(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="lightning-fp8-test")
     try:
-        fit(tmp_path, FP8StatsCallback(log_every_n_steps=2), logger, steps=4)
+        fit(tmp_path, FP8StatsCallback(log_every_n_steps=2), logger, steps=4, loss_scaling="dynamic")
     finally:
         wandb.finish()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/*.wandb")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from models import TinyDecoder, loader
 import utils
+from utils import per_layer
 
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Precision
@@ -51,11 +52,12 @@ def test_plugin_state_holds_only_tensors_and_plain_values(delayed_checkpoint):
     path, model = delayed_checkpoint
     state = torch.load(path, weights_only=True)["FP8Precision"]
     assert state["recipe"]["name"] == "delayed"
-    assert state["loss_scaler"]["scale"] == 2.0**16
-    layers = state["fp8"]["layers"]
+    assert state["loss_scaling"] == "skip_nonfinite" and state["loss_scaler"]["scale"] == 1.0  # bf16 default
+    (model_state,) = state["models"]
+    layers = per_layer(model_state)
     fp8_names = {n for n, m in model.named_modules() if isinstance(m, lf.FP8Linear)}
     assert set(layers) == fp8_names
-    history = layers["blocks.0.fc"]["fp8_amax_history"]
+    history = layers["blocks.0.fc"]["amax_history"]
     assert torch.equal(history, model.blocks[0].fc.fp8_amax_history)
 
     def plain(value):
@@ -85,10 +87,10 @@ def test_exact_resume_single_device(recipe, tmp_path):
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     s, r = lf.fp8_state_dict(straight), lf.fp8_state_dict(resumed)
-    for name, entry in s["layers"].items():
+    for name, entry in per_layer(s).items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                assert torch.equal(value, r["layers"][name][key]), (name, key)
+                assert torch.equal(value, per_layer(r)[name][key]), (name, key)
 
 
 def test_resume_with_another_recipe_is_a_clear_error(delayed_checkpoint):
@@ -129,12 +131,19 @@ def test_exact_resume_ddp_two_processes(recipe, tmp_path):
     for name, value in result["straight"].items():
         assert torch.equal(value, result["resumed"][name]), name
     # The amax reduction keeps every rank's histories (and so its delayed scales) identical.
-    rank0 = torch.load(tmp_path / "fp8_rank0.pt", weights_only=True)["layers"]
-    rank1 = torch.load(tmp_path / "fp8_rank1.pt", weights_only=True)["layers"]
+    rank0 = per_layer(torch.load(tmp_path / "fp8_rank0.pt", weights_only=True))
+    rank1 = per_layer(torch.load(tmp_path / "fp8_rank1.pt", weights_only=True))
     for name in rank0:
-        for key in ("fp8_amax_history", "fp8_scale", "fp8_initialized"):
+        for key in ("amax_history", "scale", "initialized"):
             assert torch.equal(rank0[name][key], rank1[name][key]), (name, key)
-    fp8_s, fp8_r = result["fp8_straight"]["layers"], result["fp8_resumed"]["layers"]
+    fp8_s, fp8_r = per_layer(result["fp8_straight"]), per_layer(result["fp8_resumed"])
     for name in fp8_s:
-        assert torch.equal(fp8_s[name]["fp8_amax_history"], fp8_r[name]["fp8_amax_history"]), name
-        assert torch.equal(fp8_s[name]["fp8_scale"], fp8_r[name]["fp8_scale"]), name
+        assert torch.equal(fp8_s[name]["amax_history"], fp8_r[name]["amax_history"]), name
+        assert torch.equal(fp8_s[name]["scale"], fp8_r[name]["scale"]), name
+    # The statistics continue exactly: the whole-run counts (summed over ranks) of the resumed run are the straight
+    # run's. (Restoring the saving rank's counters on every rank made them wrong, even negative per interval.)
+    totals_s, totals_r = result["totals_straight"], result["totals_resumed"]
+    assert totals_s.keys() == totals_r.keys() and totals_s
+    for name in totals_s:
+        assert totals_s[name] == totals_r[name], name
+        assert all(value >= 0 for role in totals_r[name] for value in role), name

@@ -107,7 +107,7 @@ def test_issue_yaml_instantiates_plugin_and_callback(cli):
     plugin, stats = fp8_objects(result)
     assert type(plugin) is lf.FP8Precision
     assert plugin.recipe == lf.FP8Recipe(name="delayed", amax_history_len=16)
-    assert plugin.compute_dtype is torch.bfloat16 and plugin.exclude == [] and plugin.loss_scaling
+    assert plugin.compute_dtype is torch.bfloat16 and plugin.exclude == [] and plugin.loss_scaling == "skip_nonfinite"
     assert len(stats) == 1 and stats[0].log_every_n_steps == 10
     assert len(result.fit_calls) == 1
 
@@ -155,12 +155,14 @@ def test_every_plugin_and_callback_argument_from_yaml(cli):
     )  # fmt: skip
     assert plugin.compute_dtype is torch.float16
     assert plugin.exclude == ["lm_head", "blocks.0.*"]
-    assert (plugin.skip_unaligned, plugin.fp8_eval, plugin.loss_scaling) == (False, False, True)
-    assert plugin._scaler_kwargs == {
-        "init_scale": 1024.0,
+    # loss_scaling: true is the explicit form of "dynamic"
+    assert (plugin.skip_unaligned, plugin.fp8_eval, plugin.loss_scaling) == (False, False, "dynamic")
+    assert plugin.scaler.state_dict() == {
+        "scale": 1024.0,
         "growth_factor": 4.0,
         "backoff_factor": 0.25,
         "growth_interval": 100,
+        "_growth_tracker": 0,
     }
     assert (stats.log_every_n_steps, stats.include, stats.exclude, stats.histograms) == (
         5,
@@ -254,7 +256,7 @@ def test_print_config_round_trips(cli, capsys, tmp_path):
     # And it instantiates the same objects as the original arguments.
     original, fed_back = cli(*args, yaml=ISSUE_YAML), cli("--config", str(saved))
     (a, (sa,)), (b, (sb,)) = fp8_objects(original), fp8_objects(fed_back)
-    settings = [(p.recipe, p.compute_dtype, p.exclude, p._scaler_kwargs, p.fp8_eval, p.loss_scaling) for p in (a, b)]
+    settings = [(p.recipe, p.compute_dtype, p.exclude, p.scaler.state_dict(), p.fp8_eval, p.loss_scaling) for p in (a, b)]
     assert settings[0] == settings[1]
     assert b.compute_dtype is torch.float16 and b.recipe.name == "delayed"
     assert vars(sa).keys() == vars(sb).keys()

@@ -11,7 +11,9 @@ from torch import nn
 
 import lightning_fp8 as lf
 from lightning_fp8 import ConversionReport, FP8Linear, FP8Recipe
-from lightning_fp8.scaling import STATE_BUFFERS
+
+#: The per-layer views of the FP8 state (none may survive convert_from_fp8).
+STATE_BUFFERS = ("fp8_scale", "fp8_amax_history", "fp8_amax_pending", "fp8_counts", "fp8_initialized")
 
 
 class MyLinear(nn.Linear):

@@ -50,7 +50,8 @@ def test_strict_build_produces_every_page(site):
              "stats/index.html", "troubleshooting/index.html", "distributed/index.html", "checkpoints/index.html",
              "benchmarks/index.html", "changelog/index.html", "api/index.html", "api/precision/index.html",
              "api/callbacks/index.html", "api/linear/index.html", "api/convert/index.html", "api/recipe/index.html",
-             "api/state/index.html", "api/gemm/index.html", "api/distributed/index.html"]
+             "api/state/index.html", "api/gemm/index.html", "api/distributed/index.html", "architecture/index.html",
+             "api/stats/index.html", "api/region/index.html", "api/quantize/index.html", "api/loss_scaling/index.html"]
     for page in pages:
         assert (site / page).is_file(), page
     assert (site / "assets" / "fp8_amax_heatmap.png").is_file()

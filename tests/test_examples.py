@@ -21,6 +21,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import lightning_fp8 as lf
+from lightning_fp8.state import fp8_state_layer_names, layer_state
 
 ROOT = Path(__file__).resolve().parents[1]
 LM_DIR = ROOT / "examples" / "fp8_lm"
@@ -73,7 +74,7 @@ def plugin_settings(plugin) -> tuple:
         plugin.recipe,
         plugin.compute_dtype,
         plugin.exclude,
-        plugin._scaler_kwargs,
+        plugin.scaler.state_dict() if plugin.scaler is not None else None,
         plugin.fp8_eval,
         plugin.loss_scaling,
     )
@@ -125,7 +126,8 @@ def test_headline_example_runs_end_to_end(tmp_path, monkeypatch):
     (ckpt,) = (log_dir / "checkpoints").glob("*.ckpt")
     state = torch.load(ckpt, weights_only=True, map_location="cpu")
     assert state["FP8Precision"]["recipe"]["name"] == "delayed"
-    assert "blocks.0.fc" in state["FP8Precision"]["fp8"]["layers"]
+    (model_state,) = state["FP8Precision"]["models"]
+    assert "blocks.0.fc" in fp8_state_layer_names(model_state)
     assert "blocks.0.fc.weight" in state["state_dict"]  # model keys are the plain model's
 
     # The saved config (the text --print_config prints), fed back, configures the same run.
@@ -208,20 +210,30 @@ def test_stdlib_split_is_deterministic_and_disjoint(lm_example):
 def test_fabric_example_runs_and_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fabric_example = load_example(ROOT / "examples" / "fabric_fp8.py", "fabric_fp8_example")
-    out = fabric_example.main(["--steps", "6", "--batch-size", "64", "--checkpoint", "a.ckpt"])
+    out = fabric_example.main(["--steps", "6", "--batch-size", "64", "--checkpoint", "a.ckpt", "--log-every", "3"])
     assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"])
     assert out["losses"][0] == pytest.approx(math.log(256), abs=0.3)
     model = out["model"].module
     assert all(isinstance(m, lf.FP8Linear) for m in model.net if isinstance(m, torch.nn.Linear))
     state = torch.load(tmp_path / "a.ckpt", weights_only=True, map_location="cpu")
     assert state["step"] == 6 and state["fp8"]["recipe"]["name"] == "delayed"
-    assert set(state["fp8"]["fp8"]["layers"]) == {"net.0", "net.2", "net.4"}
-    assert state["fp8"]["loss_scaler"]["scale"] == 2.0**16
+    (model_state,) = state["fp8"]["models"]
+    assert set(fp8_state_layer_names(model_state)) == {"net.0", "net.2", "net.4"}
+    assert state["fp8"]["loss_scaling"] == "skip_nonfinite" and state["fp8"]["loss_scaler"]["scale"] == 1.0
+    # FP8Stats through fabric.log_dict: the CSV logger wrote the statistics at steps 3 and 6
+    import csv
+
+    with open(tmp_path / "fabric_fp8_logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [3, 6]
+    for row in rows:
+        assert float(row["fp8/net.0/input/amax"]) > 0 and 0 <= float(row["fp8/net.2/grad_output/overflow_frac"]) <= 1
+        assert float(row["fp8/loss_scale"]) == 1.0 and float(row["fp8/skipped_steps"]) == 0
 
     # Resume: the FP8 state comes back with the weights and training continues from step 6.
     resumed = fabric_example.main(
         ["--steps", "2", "--batch-size", "64", "--resume", "a.ckpt", "--checkpoint", "b.ckpt"]
     )
-    history = lf.fp8_state_dict(resumed["model"].module)["layers"]["net.0"]["fp8_amax_history"]
+    history = layer_state(lf.fp8_state_dict(resumed["model"].module), "net.0")["amax_history"]
     assert int((history != 0).sum()) > 0
     assert torch.load(tmp_path / "b.ckpt", weights_only=True)["step"] == 8

@@ -14,7 +14,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Linear, FP8Recipe
 from lightning_fp8.recipe import INPUT, WEIGHT
-from lightning_fp8.scaling import OVERFLOW, SEEN
+from lightning_fp8.state import OVERFLOW, SEEN
 
 RECIPES = ["tensorwise", "delayed", "rowwise"]
 
@@ -31,7 +31,15 @@ def _step(model, x, grad=None, autocast=False, fp8=True):
 
 
 def _buffers(m):
-    return {k: v.clone() for k, v in m.named_buffers()}
+    """Every FP8 state tensor of ``m`` (and any module buffer), as copies keyed by layer and field."""
+    state = {k: v.clone() for k, v in m.named_buffers()}
+    for table in lf.fp8_state_dict(m)["tables"]:
+        for row, layer in enumerate(table["layers"]):
+            for field, value in table.items():
+                if isinstance(value, torch.Tensor):
+                    state[f"{layer}:{field}"] = value[row].clone()
+    assert state, "no FP8 state found"
+    return state
 
 
 def _same_buffers(a, b):
@@ -146,6 +154,7 @@ def test_sqnr_at_least_torchao(sqnr_setup, recipe, autocast):
         # distribution, so the measured step really runs on history scales (torchao no longer has a
         # delayed recipe; its tensorwise recipe, the current-scaling limit of delayed, is the reference)
         _step(ours, x_warmup, grad, autocast)
+        lf.roll_amax_history(ours)  # the warm-up backward's grad_output amax (it rolls at the next exit otherwise)
         assert bool(ours.fp8_initialized.all())
     got = _step(ours, x, grad, autocast)[:3]
 
@@ -526,11 +535,57 @@ def test_compile_fullgraph_matches_eager_bitwise(recipe):
         for (name, p), (_, q) in zip(eager.named_parameters(), compiled_model.named_parameters()):
             assert torch.equal(p.grad, q.grad), f"step {step} {name}.grad"
             p.grad = q.grad = None
-        for (name, b), (_, c) in zip(eager.named_buffers(), compiled_model.named_buffers()):
-            assert name.split(".")[-1].startswith("fp8_")
-            assert torch.equal(b, c), f"step {step} {name}"
+        state_eager, state_compiled = _buffers(eager), _buffers(compiled_model)
+        assert state_eager.keys() == state_compiled.keys() and len(state_eager) == 2 * 6
+        for name, value in state_eager.items():
+            assert torch.equal(value, state_compiled[name]), f"step {step} {name}"
     assert counter.frame_count == 1  # one graph, no breaks, no recompilation
     assert eager[0].fp8_counts[0, 0].item() == 3 * 8 * 64
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("defer", [False, True], ids=["standalone", "deferred"])
+def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
+    """Each block compiled on its own (a common way to compile transformers): the graphs write rows of one shared
+    state table, forward and backward. No graph may undo what another wrote (AOTAutograd writes back whole
+    mutated inputs), so the run must equal eager bit for bit, state included."""
+    torch._dynamo.reset()
+    eager = _Blocks()
+    lf.convert_to_fp8(eager, recipe=recipe)
+    compiled = copy.deepcopy(eager)
+    assert len({id(b[0].fp8_state.table) for b in compiled.blocks}) == 1
+    for i, block in enumerate(compiled.blocks):
+        compiled.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        x, g = torch.randn(8, 64) * (1 + step), torch.randn(8, 64)
+        outs = []
+        for model in (eager, compiled):
+            xx = x.clone().requires_grad_()
+            with lf.fp8_autocast(defer_amax_history_roll=defer):
+                y = model(xx)
+            y.backward(g)
+            if defer:
+                lf.roll_amax_history(model)
+            outs.append((y.detach(), xx.grad, [p.grad for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+        (y1, gx1, gp1), (y2, gx2, gp2) = outs
+        assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
+        assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
+        state_eager = _buffers(eager)
+        state_compiled = {k.replace("._orig_mod", ""): v for k, v in _buffers(compiled).items()}
+        for name, value in state_eager.items():
+            assert torch.equal(value, state_compiled[name]), f"step {step} {name}"
 
 
 # --- activation checkpointing ----------------------------------------------------------------------------

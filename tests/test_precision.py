@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from models import TinyDecoder, loader
 from torch import nn
-from utils import SyncCounter, make_trainer
+from utils import SyncCounter, make_trainer, per_layer
 
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Linear, FP8Precision
@@ -248,18 +248,22 @@ class Snapshot(L.Callback):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_non_finite_loss_skips_step_and_backs_off(recipe):
+@pytest.mark.parametrize("loss_scaling", ["dynamic", "auto"])
+def test_non_finite_loss_skips_step_and_backs_off(recipe, loss_scaling):
     torch.manual_seed(0)
     model = TinyDecoder()
     model.inject_nan_at_step = 3
     snap = Snapshot()
-    plugin = FP8Precision(recipe=recipe)
+    plugin = FP8Precision(recipe=recipe, loss_scaling=loss_scaling)
     trainer = make_trainer(plugin, max_steps=8, callbacks=[snap])
     trainer.fit(model, loader(n=8_000))
-    # The NaN step left every weight bit-identical, the scale halved, training went on.
+    # The NaN step left every weight bit-identical, training went on.
     assert all(torch.equal(a, b) for a, b in zip(snap.before[3], snap.after[3]))
     assert not all(torch.equal(a, b) for a, b in zip(snap.before[4], snap.after[4]))
-    assert snap.scales[2] == 2.0**16 and snap.scales[3] == 2.0**15 and snap.scales[7] == 2.0**15
+    if loss_scaling == "dynamic":  # the scale halved
+        assert snap.scales[2] == 2.0**16 and snap.scales[3] == 2.0**15 and snap.scales[7] == 2.0**15
+    else:  # bf16 default: no scaling, nothing to back off
+        assert plugin.loss_scaling == "skip_nonfinite" and set(snap.scales.values()) == {1.0}
     assert int(plugin.skipped_steps) == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
@@ -423,10 +427,10 @@ def test_validation_does_not_touch_fp8_state_and_can_run_high_precision():
     state = lf.fp8_state_dict(model)
     trainer.validate(model, loader(n=4_000), verbose=False)
     after = lf.fp8_state_dict(model)
-    for name, entry in state["layers"].items():
+    for name, entry in per_layer(state).items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                assert torch.equal(value, after["layers"][name][key]), (name, key)
+                assert torch.equal(value, per_layer(after)[name][key]), (name, key)
     fp8_val = float(trainer.callback_metrics["val_loss"])
     plugin.fp8_eval = False
     trainer.validate(model, loader(n=4_000), verbose=False)

@@ -31,14 +31,47 @@ def test_format_maxima_are_the_dtype_maxima():
 
 def test_defaults():
     r = FP8Recipe()
+    # defaults are resolved per recipe; a setting the recipe does not use stays None
     assert (r.name, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin, r.power_of_2_scale) == (
         "tensorwise",
         "hybrid",
         16,
-        "max",
+        None,
         0,
         False,
     )
+    d = FP8Recipe(name="delayed")
+    assert (d.fp8_format, d.amax_compute_algo, d.margin, d.power_of_2_scale) == ("hybrid", "max", 0, False)
+    w = FP8Recipe(name="rowwise")
+    assert (w.fp8_format, w.amax_compute_algo, w.margin, w.power_of_2_scale) == ("e4m3", None, 0, True)
+    assert FP8Recipe(name="rowwise", power_of_2_scale=False).round_to_power_of_2 is False
+    assert FP8Recipe(name="delayed") == FP8Recipe(name="delayed", amax_compute_algo="max", fp8_format="hybrid")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"name": "tensorwise", "margin": 1}, "margin"),
+        ({"name": "rowwise", "margin": 1}, "margin"),
+        ({"name": "tensorwise", "amax_compute_algo": "max"}, "amax_compute_algo"),
+        ({"name": "rowwise", "amax_compute_algo": "most_recent"}, "amax_compute_algo"),
+        ({"name": "rowwise", "fp8_format": "hybrid"}, "fp8_format"),
+    ],
+)
+def test_settings_a_recipe_does_not_use_are_rejected(kwargs, field):
+    with pytest.raises(ValueError, match=field) as err:
+        FP8Recipe(**kwargs)
+    assert f"recipe={kwargs['name']!r}" in str(err.value)
+
+
+def test_from_dict_reads_what_version_0_1_wrote():
+    """0.1 stored every field for every recipe, including those the recipe ignored."""
+    old = {"name": "tensorwise", "fp8_format": "hybrid", "amax_history_len": 16, "amax_compute_algo": "max",
+           "margin": 2, "power_of_2_scale": False}  # fmt: skip
+    assert FP8Recipe.from_dict(old) == FP8Recipe()
+    old_rowwise = {**old, "name": "rowwise", "margin": 0}
+    assert FP8Recipe.from_dict(old_rowwise) == FP8Recipe(name="rowwise")
+    assert FP8Recipe.from_dict(FP8Recipe(name="delayed", margin=1).to_dict()) == FP8Recipe(name="delayed", margin=1)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +106,7 @@ def test_invalid_margin(value):
     assert ">= 0" in str(err.value)
 
 
-@pytest.mark.parametrize("value", [1, 0, "yes", None])
+@pytest.mark.parametrize("value", [1, 0, "yes"])
 def test_invalid_power_of_2_scale(value):
     with pytest.raises(ValueError, match="power_of_2_scale"):
         FP8Recipe(power_of_2_scale=value)
@@ -122,7 +155,7 @@ def test_resolve_recipe():
         ("delayed", "hybrid", (E4M3, E4M3, E5M2)),
         ("tensorwise", "e4m3", (E4M3, E4M3, E4M3)),
         ("delayed", "e4m3", (E4M3, E4M3, E4M3)),
-        ("rowwise", "hybrid", (E4M3, E4M3, E4M3)),
+        ("rowwise", None, (E4M3, E4M3, E4M3)),
         ("rowwise", "e4m3", (E4M3, E4M3, E4M3)),
     ],
 )

@@ -1,4 +1,4 @@
-"""Device-side FP8 state: buffers, export/import, amax history, delayed scaling."""
+"""Device-side FP8 state: the state table and its per-layer views, export/import, amax history, delayed scaling."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ from torch import nn
 
 import lightning_fp8 as lf
 from lightning_fp8 import FP8Linear, FP8Recipe
-from lightning_fp8 import cast as cast_module
+from lightning_fp8 import quantize as cast_module
 from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT
-from lightning_fp8.scaling import COUNT_FIELDS, STATE_BUFFERS
+from lightning_fp8.state import COUNT_FIELDS, fp8_state_layer_names, layer_state
+
+#: The per-layer views of a layer's row in its state table (the buffer names of lightning-fp8 0.1).
+STATE_BUFFERS = ("fp8_scale", "fp8_amax_history", "fp8_amax_pending", "fp8_counts", "fp8_initialized")
+#: The same, as fields of an fp8_state_dict export.
+FIELDS = {"fp8_scale": "scale", "fp8_amax_history": "amax_history", "fp8_amax_pending": "amax_pending",
+          "fp8_counts": "counts", "fp8_initialized": "initialized"}  # fmt: skip
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -55,11 +61,11 @@ def _model(recipe="tensorwise"):
     return model
 
 
-# --- buffers ---------------------------------------------------------------------------------------------
+# --- the state table and its views ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
-def test_state_buffers_not_in_state_dict(recipe):
+def test_state_is_not_in_state_dict_nor_buffers(recipe):
     plain = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     model = copy.deepcopy(plain)
     lf.convert_to_fp8(model, recipe=FP8Recipe(name=recipe, amax_history_len=5))
@@ -80,6 +86,10 @@ def test_state_buffers_not_in_state_dict(recipe):
         "torch.bool",
     ]
     assert list(model.state_dict()) == list(plain.state_dict())
+    assert list(model.buffers()) == []  # nothing for DDP to broadcast
+    # one table for the whole model, each layer a row of it
+    assert model[0].fp8_state.table is model[2].fp8_state.table
+    assert [model[0].fp8_state.index, model[2].fp8_state.index] == [0, 1]
     # checkpoints move both ways between plain and converted models
     plain.load_state_dict(model.state_dict(), strict=True)
     model.load_state_dict(plain.state_dict(), strict=True)
@@ -128,7 +138,7 @@ def test_fp8_state_dict_round_trip(recipe):
         _step(model, x, torch.randn(8, 16))
     state = lf.fp8_state_dict(model)
     assert _plain_values_only(state)
-    assert set(state["layers"]) == {"0", "2"}
+    assert fp8_state_layer_names(state) == ["0", "2"]
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
@@ -144,7 +154,7 @@ def test_fp8_state_dict_round_trip(recipe):
     assert model[0].fp8_counts.sum() > 0 and (model[0].fp8_amax_history != 0).any()
     # the export is a snapshot, not a view of the live buffers
     _step(model, torch.randn(8, 32), torch.randn(8, 16))
-    assert not torch.equal(state["layers"]["0"]["fp8_counts"], model[0].fp8_counts)
+    assert not torch.equal(layer_state(state, "0")["counts"], model[0].fp8_counts)
     # after loading, both models continue identically
     x, g = torch.randn(8, 32), torch.randn(8, 16)
     lf.load_fp8_state_dict(model, loaded)
@@ -192,19 +202,38 @@ def test_load_fp8_state_dict_unknown_version():
 # --- amax history ----------------------------------------------------------------------------------------
 
 
-def test_standalone_layers_roll_every_cast():
+def test_standalone_region_rolls_once_on_exit():
+    """Outside the plugin, the outermost fp8_autocast() rolls the histories of the layers that ran inside it when it
+    exits, once. The backward usually runs after the exit: its grad_output amax rolls at the next exit."""
     layer = FP8Linear(32, 16, recipe=FP8Recipe(amax_history_len=3))
-    amaxes = []
+    forward, grads = [], []
     for i in range(4):
         x, g = torch.randn(8, 32) * (i + 1), torch.randn(8, 16) / (i + 1)
         _step(layer, x, g)
-        amaxes.insert(0, [x.abs().max().item(), layer.weight.abs().max().item(), g.abs().max().item()])
-        expected = torch.tensor(amaxes[:3] + [[0.0] * 3] * (3 - len(amaxes[:3]))).t()
-        assert torch.equal(layer.fp8_amax_history, expected)
-        assert torch.equal(layer.fp8_amax_pending, torch.zeros(3))
+        forward.insert(0, [x.abs().max().item(), layer.weight.abs().max().item()])
+        grads.insert(0, g.abs().max().item())
+        expected_fwd = torch.tensor(forward[:3] + [[0.0] * 2] * (3 - len(forward[:3]))).t()
+        expected_grad = torch.tensor((grads[1:4] + [0.0] * 3)[:3])
+        assert torch.equal(layer.fp8_amax_history[:2], expected_fwd), i
+        assert torch.equal(layer.fp8_amax_history[GRAD_OUTPUT], expected_grad), i
+        assert torch.equal(layer.fp8_amax_pending, torch.tensor([0.0, 0.0, grads[0]]))
     counts = layer.fp8_counts
     assert counts[:, 0].tolist() == [4 * 8 * 32, 4 * 32 * 16, 4 * 8 * 16]
     assert counts[:, 1].tolist() == counts[:, 0].tolist()  # random data has no zeros
+
+
+def test_nested_regions_roll_once_at_the_outermost_exit():
+    layer = FP8Linear(32, 16)
+    with lf.fp8_autocast():
+        with lf.fp8_autocast():
+            layer(torch.randn(4, 32))
+        assert (layer.fp8_amax_history == 0).all()  # the inner exit does not roll
+        with lf.fp8_autocast(enabled=False):
+            layer(torch.randn(4, 32))
+    assert (layer.fp8_amax_history[:2, 0] > 0).all() and (layer.fp8_amax_history[:, 1] == 0).all()
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        layer(torch.randn(4, 32))
+    assert (layer.fp8_amax_history[:, 1] == 0).all() and (layer.fp8_amax_pending[:2] > 0).all()
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
@@ -296,8 +325,10 @@ def test_delayed_margin(used_scales, margin):
     assert layer.fp8_scale[WEIGHT].item() == _scale(E4M3_MAX, layer.weight.abs().max(), margin)
 
 
-def test_tensorwise_ignores_margin_and_history(used_scales):
-    layer = FP8Linear(32, 16, recipe=FP8Recipe(name="tensorwise", margin=2))
+def test_tensorwise_ignores_history_and_refuses_margin(used_scales):
+    with pytest.raises(ValueError, match="margin"):
+        FP8Recipe(name="tensorwise", margin=2)
+    layer = FP8Linear(32, 16, recipe=FP8Recipe(name="tensorwise"))
     x, g = torch.randn(8, 32), torch.randn(8, 16)
     _step(layer, x, g)
     _step(layer, x * 0.3, g)
@@ -326,6 +357,7 @@ def test_delayed_all_zero_first_step_does_not_initialize():
     assert layer.fp8_initialized.tolist() == [False, True, False]  # the weight is not zero
     x = torch.randn(4, 32)
     _step(layer, x, torch.randn(4, 16))
+    lf.roll_amax_history(layer)  # the backward's grad_output amax rolls at the next exit (or here)
     assert layer.fp8_initialized.all()
     assert layer.fp8_scale[INPUT].item() == _scale(E4M3_MAX, x.abs().max())
 

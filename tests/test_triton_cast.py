@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_fp8 import triton_cast
-from lightning_fp8.cast import cast_statistics, cast_with_statistics, saturated_cast
+from lightning_fp8.quantize import cast_statistics, cast_with_statistics, saturated_cast
 from lightning_fp8.recipe import E4M3, E5M2, FP8_MAX, amax_to_scale
 from lightning_fp8.triton_cast import BLOCK_SIZE, triton_cast_with_statistics, use_triton
 
@@ -167,7 +167,7 @@ def _compare(run: Callable[..., tuple[torch.Tensor, torch.Tensor]], x, scale, fp
 
 def _run_in_interpreter() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run this with TRITON_INTERPRET=1"
-    import lightning_fp8.cast as cast_module
+    import lightning_fp8.quantize as cast_module
 
     kernel = triton_cast._kernel()
     launches: list[object] = []
@@ -274,7 +274,7 @@ def test_cast_with_statistics_on_cpu_runs_the_reference(monkeypatch):
     def fail(*args):
         raise AssertionError("the Triton kernel must not run on CPU tensors")
 
-    monkeypatch.setattr("lightning_fp8.cast.triton_cast_with_statistics", fail)
+    monkeypatch.setattr("lightning_fp8.quantize.triton_cast_with_statistics", fail)
     x = _random((7, 9), torch.float32, torch.Generator().manual_seed(1))
     scale = _amax_scale(x, E4M3)
     data, counts = cast_with_statistics(x, scale, E4M3)
@@ -321,7 +321,7 @@ def test_package_imports_and_casts_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
         "import torch, lightning_fp8\n"
-        "from lightning_fp8.cast import cast_with_statistics\n"
+        "from lightning_fp8.quantize import cast_with_statistics\n"
         "from lightning_fp8.triton_cast import _triton_available\n"
         "assert not _triton_available()\n"
         "data, counts = cast_with_statistics(torch.tensor([1.0, 1e9, 0.0]), torch.tensor(1.0), torch.float8_e4m3fn)\n"

@@ -40,3 +40,10 @@ def make_trainer(plugin=None, **kwargs) -> L.Trainer:
     if plugin is not None:
         defaults["plugins"] = [plugin]
     return L.Trainer(**defaults)
+
+
+def per_layer(fp8_state: dict) -> dict[str, dict]:
+    """An ``fp8_state_dict`` export as ``{layer name: {field: tensor}}`` (the rows of its tables)."""
+    from lightning_fp8.state import fp8_state_layer_names, layer_state
+
+    return {name: layer_state(fp8_state, name) for name in fp8_state_layer_names(fp8_state)}

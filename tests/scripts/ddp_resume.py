@@ -2,7 +2,9 @@
 
 Three fits in one launch: 2 epochs straight; 1 epoch + checkpoint; resume for the second epoch.
 Rank 0 saves the final weights and FP8 states of both routes to OUT_DIR; every rank saves its own
-FP8 state after the straight run so the test can check the ranks agree.
+FP8 state after the straight run so the test can check the ranks agree. An FP8StatsCallback logs every
+step in all three fits: its whole-run counts after the resume must equal the straight run's (each rank
+restarts its counters at the resume instead of loading the saving rank's).
 """
 
 import os
@@ -20,7 +22,7 @@ out_dir, recipe = sys.argv[1], sys.argv[2]
 N_DATA = 32 * 32 + 1  # 32 windows: 2 batches of 8 per rank per epoch
 
 
-def trainer(epochs):
+def trainer(epochs, callback):
     return L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -31,6 +33,8 @@ def trainer(epochs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[callback],
+        default_root_dir=out_dir,  # the stats callback saves its heatmap there
     )
 
 
@@ -39,19 +43,21 @@ def fresh(seed):
     return TinyDecoder()
 
 
+stats_straight = lf.FP8StatsCallback(log_every_n_steps=1, summary=False)
 straight = fresh(0)
-t = trainer(2)
+t = trainer(2, stats_straight)
 t.fit(straight, loader(n=N_DATA))
 torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{t.global_rank}.pt"))
 
 first = fresh(0)
-t = trainer(1)
+t = trainer(1, lf.FP8StatsCallback(log_every_n_steps=1, summary=False))
 t.fit(first, loader(n=N_DATA))
 ckpt = os.path.join(out_dir, "epoch1.ckpt")
 t.save_checkpoint(ckpt)
 
+stats_resumed = lf.FP8StatsCallback(log_every_n_steps=1, summary=False)
 resumed = fresh(1)  # different init: everything must come from the checkpoint
-t = trainer(2)
+t = trainer(2, stats_resumed)
 t.fit(resumed, loader(n=N_DATA), ckpt_path=ckpt)
 
 if t.global_rank == 0:
@@ -61,6 +67,8 @@ if t.global_rank == 0:
             "resumed": {k: v.detach().clone() for k, v in resumed.state_dict().items()},
             "fp8_straight": lf.fp8_state_dict(straight),
             "fp8_resumed": lf.fp8_state_dict(resumed),
+            "totals_straight": stats_straight._stats.total_counts,
+            "totals_resumed": stats_resumed._stats.total_counts,
         },
         os.path.join(out_dir, "result.pt"),
     )

@@ -1,4 +1,5 @@
-"""The saturating FP8 cast and its statistics, against the torch reference cast and torchao."""
+"""Quantization: the saturating FP8 cast and its statistics (against the torch reference cast and torchao), and
+``quantize(x, spec)`` for every granularity and scale source."""
 
 from __future__ import annotations
 
@@ -9,15 +10,9 @@ import torch
 from torchao.float8.float8_utils import to_fp8_saturated
 
 from lightning_fp8 import FP8Recipe
-from lightning_fp8.cast import (
-    cast_statistics,
-    cast_with_statistics,
-    quantize_rowwise,
-    quantize_tensorwise,
-    saturated_cast,
-)
-from lightning_fp8.recipe import E4M3, E5M2, FP8_MAX, INPUT, amax_to_scale
-from lightning_fp8.scaling import NONZERO, OVERFLOW, SEEN, UNDERFLOW, init_state, state_of
+from lightning_fp8.quantize import cast_statistics, cast_with_statistics, quantize, saturated_cast
+from lightning_fp8.recipe import E4M3, E5M2, FP8_MAX, INPUT, CastSpec, amax_to_scale
+from lightning_fp8.state import NONZERO, OVERFLOW, SEEN, UNDERFLOW, FP8StateTable
 
 FORMATS = [E4M3, E5M2]
 #: smallest positive subnormal of each format: 2**-9 (E4M3), 2**-16 (E5M2)
@@ -130,61 +125,79 @@ def test_cast_statistics_on_handmade_tensor():
     assert cast_statistics(x, xs, data).tolist() == [8, 3, 3]
 
 
-def test_quantize_tensorwise_records_state():
-    recipe = FP8Recipe()
-    m = torch.nn.Module()
-    init_state(m, recipe)
-    st = state_of(m)
+def _record(table, role, q):
+    table.record(0, role, q.stats.amax, q.stats.scale, q.stats.numel, q.stats.counts)
+
+
+def test_quantize_tensorwise_and_recording():
+    table = FP8StateTable(FP8Recipe())
+    spec = FP8Recipe().cast_specs().forward[0]
     x = torch.randn(64, 32) * 3
     x[0, 0] = 1e-30
-    data, scale = quantize_tensorwise(x, st, recipe, INPUT, update=True, roll=True)
+    q = quantize(x, spec)
+    _record(table, INPUT, q)
+    table.roll()
     amax = x.abs().max()
-    assert torch.equal(scale, amax_to_scale(amax, 448.0))
-    assert torch.equal(_bits(data), _bits(_torch_reference(x, scale, E4M3)))
-    assert m.fp8_scale[INPUT] == scale
-    assert m.fp8_amax_history[INPUT, 0] == amax and (m.fp8_amax_history[INPUT, 1:] == 0).all()
-    assert m.fp8_counts[INPUT, SEEN] == x.numel()
-    assert m.fp8_counts[INPUT, NONZERO] == x.numel()
-    assert m.fp8_counts[INPUT, OVERFLOW] == 0
-    assert m.fp8_counts[INPUT, UNDERFLOW] == 1
-    # without update nothing changes
-    before = {k: v.clone() for k, v in m.named_buffers()}
-    quantize_tensorwise(x * 5, st, recipe, INPUT, update=False, roll=True)
-    assert all(torch.equal(before[k], v) for k, v in m.named_buffers())
+    assert torch.equal(q.scale, amax_to_scale(amax, 448.0))
+    assert torch.equal(_bits(q.data), _bits(_torch_reference(x, q.scale, E4M3)))
+    assert table.scale[0, INPUT] == q.scale
+    assert table.amax_history[0, INPUT, 0] == amax and (table.amax_history[0, INPUT, 1:] == 0).all()
+    assert table.counts[0, INPUT, SEEN] == x.numel()
+    assert table.counts[0, INPUT, NONZERO] == x.numel()
+    assert table.counts[0, INPUT, OVERFLOW] == 0
+    assert table.counts[0, INPUT, UNDERFLOW] == 1
+    # without statistics the cast is the same and nothing is there to record
+    q2 = quantize(x, spec, statistics=False)
+    assert q2.stats is None and torch.equal(_bits(q2.data), _bits(q.data))
 
 
-@pytest.mark.parametrize("dim", [-1, 0])
-def test_quantize_rowwise(dim):
+def test_quantize_history_scale_and_fixed_scale():
+    spec = FP8Recipe(name="delayed").cast_specs().forward[0]
+    assert spec.scale_source == "history"
+    x = torch.randn(16, 32)
+    current = amax_to_scale(x.abs().max(), 448.0)
+    history = torch.tensor(7.0)
+    assert torch.equal(quantize(x, spec, history_scale=history, history_ready=torch.tensor(False)).scale, current)
+    assert torch.equal(quantize(x, spec, history_scale=history, history_ready=torch.tensor(True)).scale, history)
+    fixed = torch.tensor(3.0)
+    q = quantize(x, spec, scale=fixed)
+    assert torch.equal(q.scale, fixed) and torch.equal(_bits(q.data), _bits(_torch_reference(x, fixed, E4M3)))
+    with pytest.raises(ValueError, match="history"):
+        quantize(x, spec)
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_quantize_rowwise(axis):
     x = torch.randn(24, 40) * torch.logspace(-3, 3, 40)
-    data, scale = quantize_rowwise(x, dim, E4M3)
-    assert scale.shape == ((24, 1) if dim == -1 else (1, 40))
-    amax = x.abs().amax(dim=dim, keepdim=True)
+    q = quantize(x, CastSpec(INPUT, E4M3, "row", axis, power_of_2=True))
+    assert q.scale.shape == ((24, 1) if axis == -1 else (1, 40))
+    amax = x.abs().amax(dim=axis, keepdim=True)
     # power-of-two scale per slice, rounded down: amax * scale in (fp8_max/2, fp8_max]
-    assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
-    scaled_amax = amax * scale
+    assert torch.equal(torch.frexp(q.scale).mantissa, torch.full_like(q.scale, 0.5))
+    scaled_amax = amax * q.scale
     assert (scaled_amax <= 448).all() and (scaled_amax > 224).all()
-    assert torch.equal(_bits(data), _bits(_torch_reference(x, scale, E4M3)))
+    assert torch.equal(_bits(q.data), _bits(_torch_reference(x, q.scale, E4M3)))
+    # statistics summarise the slices: the tensor amax and the smallest scale
+    assert q.stats.amax == x.abs().max() and q.stats.scale == q.scale.min()
 
 
 def test_quantize_rowwise_zero_row():
     x = torch.randn(4, 32)
     x[2] = 0
-    data, scale = quantize_rowwise(x, -1, E4M3)
-    assert torch.isfinite(scale).all()
-    assert (data[2].float() == 0).all()
+    q = quantize(x, CastSpec(INPUT, E4M3, "row", -1, power_of_2=True))
+    assert torch.isfinite(q.scale).all()
+    assert (q.data[2].float() == 0).all()
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_current_scaling_reports_no_overflow(recipe):
     """With the tensor's own amax, nothing saturates: the overflow counter must stay at zero."""
-    r = FP8Recipe(name=recipe)
-    m = torch.nn.Module()
-    init_state(m, r)
-    st = state_of(m)
+    spec = FP8Recipe(name=recipe).cast_specs().forward[0]
+    table = FP8StateTable(FP8Recipe(name=recipe))
     g = torch.Generator().manual_seed(5)
     for i in range(300):
         x = torch.randn(32, 32, generator=g) * 10.0 ** torch.randn((), generator=g)
-        m.fp8_initialized.zero_()  # delayed: use the current amax every time
-        quantize_tensorwise(x, st, r, INPUT, update=True, roll=True)
-    assert m.fp8_counts[INPUT, OVERFLOW].item() == 0
-    assert m.fp8_counts[INPUT, SEEN].item() == 300 * 32 * 32
+        # delayed: an empty history, so the current amax is used every time
+        _record(table, INPUT, quantize(x, spec, history_scale=torch.tensor(1.0), history_ready=torch.tensor(False)))
+    assert table.counts[0, INPUT, OVERFLOW].item() == 0
+    assert table.counts[0, INPUT, SEEN].item() == 300 * 32 * 32

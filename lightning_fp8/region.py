@@ -1,0 +1,151 @@
+"""The FP8 region: where FP8 layers compute in FP8, and what a layer decides once per forward.
+
+:func:`fp8_autocast` is thread-local, like ``torch.autocast``: a region entered on one thread does not
+switch FP8 on in another. Regions nest; an inner region overrides ``enabled`` and restores the outer
+state on exit.
+
+What a layer decides at forward time is captured once, in a :class:`ForwardDecision`: whether it runs in
+FP8, whether the forward's casts record statistics, whether its backward records the gradient's, and, for
+history-scaled recipes, the scales the forward used. The backward never consults the region (it may run
+outside it, or on an autograd worker thread), and an activation-checkpointing recomputation, which runs
+during the backward, replays the decision of the layer's original forward instead of taking a new one.
+
+Amax histories roll once per step, never per cast: under the precision plugin
+(``defer_amax_history_roll=True``) once per optimizer step; used on its own, when the outermost region
+exits, for the state tables of the layers that ran inside it. Gradients recorded after the exit (the
+backward usually runs outside the region) roll at the next exit, so the gradient scale of step ``k``
+comes from the gradients of the steps before ``k``, as the input and weight scales do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class FP8Region:
+    """One entered :func:`fp8_autocast` region."""
+
+    enabled: bool
+    defer_amax_history_roll: bool
+    #: layers in eval mode compute in FP8 too (the plugin's ``fp8_eval``)
+    fp8_eval: bool = True
+    #: state tables of the layers that ran inside (outermost, non-deferred regions only; rolled on exit)
+    tables: list[Any] = field(default_factory=list)
+
+
+class _RegionStack(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[FP8Region] = []
+
+
+_REGIONS = _RegionStack()
+
+
+def current_region() -> FP8Region | None:
+    """The innermost region entered on this thread, or ``None``."""
+    stack = _REGIONS.stack
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def fp8_region(enabled: bool = True, *, defer_amax_history_roll: bool = False, fp8_eval: bool = True) -> Iterator[None]:
+    """:func:`fp8_autocast` with the plugins' extra switch: ``fp8_eval=False`` keeps layers in eval mode in high
+    precision."""
+    outer = current_region()
+    # An inner region never rolls: the outermost one (or the plugin that deferred) does.
+    defer = bool(defer_amax_history_roll) or outer is not None
+    region = FP8Region(enabled=bool(enabled), defer_amax_history_roll=defer, fp8_eval=bool(fp8_eval))
+    _REGIONS.stack.append(region)
+    try:
+        yield
+    finally:
+        _REGIONS.stack.pop()
+        if not defer:
+            for table in {id(t): t for t in region.tables}.values():
+                table.roll()
+
+
+def fp8_autocast(enabled: bool = True, *, defer_amax_history_roll: bool = False) -> contextlib.AbstractContextManager:
+    """Region in which FP8 layers compute in FP8. Thread-local and nestable; restores the outer state.
+
+    Args:
+        enabled: ``False`` makes FP8 layers behave exactly like their high-precision originals inside.
+        defer_amax_history_roll: leave the amaxes recorded inside the region pending until
+            :func:`lightning_fp8.roll_amax_history` is called (the precision plugin does this once per
+            optimizer step, so all micro-batches of an accumulation window share one scale). By default
+            the outermost region rolls the histories of the layers that ran inside it when it exits, once.
+
+    The backward pass may run outside the region: each layer decides at forward time.
+    """
+    return fp8_region(enabled, defer_amax_history_roll=defer_amax_history_roll)
+
+
+def is_fp8_autocast_enabled() -> bool:
+    """Whether the current code runs inside an enabled :func:`fp8_autocast` region (on this thread)."""
+    region = current_region()
+    return region is not None and region.enabled
+
+
+@dataclass(frozen=True)
+class ForwardDecision:
+    """What an FP8 layer decided for one forward, replayed by an activation-checkpointing recomputation.
+
+    Attributes:
+        enabled: the layer computes in FP8 (else it is its high-precision original).
+        record_forward: the forward's casts record statistics (training mode, outside ``inference_mode``,
+            not a recomputation).
+        record_backward: the backward's casts record statistics.
+        scales: for history-scaled operands, the scales the forward used, by role (a recomputation
+            must quantize with exactly these, whatever the history did since).
+    """
+
+    enabled: bool
+    record_forward: bool = False
+    record_backward: bool = False
+    scales: tuple[tuple[int, torch.Tensor], ...] = ()
+
+    def scale_of(self, role: int) -> torch.Tensor | None:
+        """The captured scale of ``role``, if any."""
+        for r, scale in self.scales:
+            if r == role:
+                return scale
+        return None
+
+
+def in_recomputation() -> bool:
+    """Whether a forward runs while the autograd engine executes a backward graph: an activation-checkpointing
+    recomputation. Always ``False`` under ``torch.compile``, which recomputes inside its own backward graph
+    without re-running the forward's state updates."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def in_inference_mode() -> bool:
+    """``torch.is_inference_mode_enabled()`` outside ``torch.compile`` (Dynamo cannot trace the query; a compiled
+    graph follows ``module.training`` alone)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch.is_inference_mode_enabled()
+
+
+def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
+    """The decision of a layer's forward (not a recomputation), from the region of this thread.
+
+    In training mode, registers ``table`` with the outermost region so that a standalone region rolls it on exit.
+    """
+    region = current_region()
+    if region is None or not region.enabled or not (region.fp8_eval or module.training):
+        return ForwardDecision(enabled=False)
+    record = module.training and not in_inference_mode()
+    outermost = _REGIONS.stack[0]
+    if record and not outermost.defer_amax_history_roll:  # evaluation never moves the state, not even a roll
+        outermost.tables.append(table)
+    return ForwardDecision(enabled=True, record_forward=record, record_backward=record)

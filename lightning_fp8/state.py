@@ -1,0 +1,468 @@
+"""The FP8 state table: every FP8 layer's scales, amax histories and counters in a few flat device tensors.
+
+One :class:`FP8StateTable` holds the state of all FP8 layers of a model that share a recipe (the
+plugin and :func:`~lightning_fp8.convert_to_fp8` bind a model's layers into one table per recipe; a
+layer built on its own has a private table of one row until then). Each layer holds the table and its
+row index. For row ``i`` and role ``r`` (``input``, ``weight``, ``grad_output``; see
+:data:`lightning_fp8.recipe.ROLES`):
+
+==================  ===============  ===================================================================
+tensor              shape            meaning
+==================  ===============  ===================================================================
+``scale``           ``(L, 3)``       scale used by the most recent cast (``fp8 = x * scale``); for
+                                     ``delayed`` after a roll: the scale the next cast will use; for
+                                     ``rowwise`` the smallest row scale
+``amax_history``    ``(L, 3, H)``    ring buffer of the last ``H`` amaxes, index 0 the most recent
+``amax_pending``    ``(L, 3)``       running max of the amaxes seen since the last roll (the max over
+                                     the micro-batches of an accumulation window)
+``counts``          ``(L, 3, 4)``    cumulative ``seen``, ``nonzero``, ``overflow``, ``underflow``
+                                     element counts (int64), per rank
+``initialized``     ``(L, 3)``       ``delayed``: the history holds a usable amax
+``counts_epoch``    ``(L,)``         bumped whenever the row's counters restart from zero (a reader of
+                                     interval statistics then takes a new baseline)
+==================  ===============  ===================================================================
+
+Every operation on the whole table (:meth:`FP8StateTable.roll`, the loss-scale rescale, the cross-rank
+reduction of :mod:`lightning_fp8.distributed`, export and import, the statistics snapshot of
+:mod:`lightning_fp8.stats`) is a constant number of batched tensor operations, whatever the number of
+layers: on a GPU, a few kernel launches per optimizer step instead of a few per layer. Nothing here
+reads a device value on the host.
+
+The table is not made of module buffers: it is not part of the model ``state_dict`` (a checkpoint of a
+converted model loads into the plain model), DDP does not broadcast it, and it follows the layers'
+device, never their dtype (:meth:`FP8StateTable.follow`). It travels in checkpoints through
+:func:`fp8_state_dict` / :func:`load_fp8_state_dict`, as tensors and plain values only (loadable with
+``torch.load(weights_only=True)``).
+
+Why our own state: torchao keeps no statistics and removed delayed scaling; Transformer Engine keeps
+its state per module in a pickled ``_extra_state`` blob inside the model ``state_dict``. Neither gives
+a plain, device-resident, checkpoint-safe record of every cast with per-step cost independent of depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fp8.recipe import FP8_MAX, GRAD_OUTPUT, ROLES, FP8Recipe, amax_to_scale
+
+#: Columns of ``counts``.
+COUNT_FIELDS: tuple[str, ...] = ("seen", "nonzero", "overflow", "underflow")
+SEEN, NONZERO, OVERFLOW, UNDERFLOW = 0, 1, 2, 3
+
+#: The table's tensors, in export order.
+STATE_FIELDS: tuple[str, ...] = ("scale", "amax_history", "amax_pending", "counts", "initialized", "counts_epoch")
+STATE_FORMAT_VERSION = 2
+
+_N_ROLES = len(ROLES)
+
+
+#: The state that the casts of one role write on the step path; each role's part is a tensor of its own.
+_PER_ROLE_FIELDS = ("scale", "amax_pending", "counts")
+
+
+class FP8StateTable:
+    """The FP8 state of a group of layers sharing one recipe (see the module docstring for the tensors).
+
+    ``scale``, ``amax_pending`` and ``counts`` are stored as one tensor per role and read back stacked
+    (read-only copies): the casts of the forward (input, weight) and of the backward (grad_output) then never
+    write the same tensor. Under ``torch.compile`` this matters: AOTAutograd saves a forward-time copy of
+    any tensor the forward mutates and, when the backward mutates it too, writes that whole copy back,
+    which would undo what other graphs (other blocks, a roll) wrote in between.
+
+    Args:
+        recipe: the layers' recipe (the history length and the ``delayed`` formula come from it).
+        num_layers: number of rows.
+        device: where the tensors live (the layers' device).
+    """
+
+    def __init__(self, recipe: FP8Recipe, num_layers: int = 1, device: torch.device | str | None = None) -> None:
+        self.recipe = recipe
+        self._fp8_max: Tensor | None = None  # per-role fp8_max, (3,) float64 on the device, built lazily
+        self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))
+
+    # ------------------------------------------------------------------ storage
+    def _allocate(self, num_layers: int, device: torch.device) -> None:
+        n, length = num_layers, self.recipe.amax_history_len
+        kw: dict[str, Any] = {"device": device}
+        self.role_scale = [torch.ones(n, dtype=torch.float32, **kw) for _ in ROLES]
+        self.role_amax_pending = [torch.zeros(n, dtype=torch.float32, **kw) for _ in ROLES]
+        self.role_counts = [torch.zeros(n, len(COUNT_FIELDS), dtype=torch.int64, **kw) for _ in ROLES]
+        self.amax_history = torch.zeros(n, _N_ROLES, length, dtype=torch.float32, **kw)
+        self.initialized = torch.zeros(n, _N_ROLES, dtype=torch.bool, **kw)
+        self.counts_epoch = torch.zeros(n, dtype=torch.int64, **kw)
+        self._fp8_max = None
+
+    @property
+    def scale(self) -> Tensor:
+        """``(L, 3)`` copy of the scales (see the module docstring)."""
+        return torch.stack(self.role_scale, dim=1)
+
+    @property
+    def amax_pending(self) -> Tensor:
+        """``(L, 3)`` copy of the pending amaxes."""
+        return torch.stack(self.role_amax_pending, dim=1)
+
+    @property
+    def counts(self) -> Tensor:
+        """``(L, 3, 4)`` copy of the element counters."""
+        return torch.stack(self.role_counts, dim=1)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of rows (layers)."""
+        return self.amax_history.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tensors."""
+        return self.amax_history.device
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The table's tensors by name, in export order (the per-role ones stacked: copies)."""
+        return {name: getattr(self, name) for name in STATE_FIELDS}
+
+    def _storage(self) -> list[Tensor]:
+        return [*self.role_scale, *self.role_amax_pending, *self.role_counts, self.amax_history, self.initialized, self.counts_epoch]
+
+    def follow(self, fn: Any) -> None:
+        """Follow a ``Module._apply`` function (``.to()``, ``.cuda()``, ``to_empty()``...) to its device only.
+
+        ``fn`` is applied to an empty probe tensor to learn where the layers went; the table then moves there
+        with its values, keeping its own dtypes (``module.half()`` must not turn a scale into a float16, and
+        a float64 scale would break the GEMM contract). Idempotent, so every layer of a shared table may
+        call it. Moving off the meta device gives fresh state (the values were never initialised).
+        """
+        target = fn(torch.empty(0, dtype=torch.float32, device=self.device)).device
+        if target == self.device:
+            return
+        if self.device.type == "meta":
+            self._allocate(self.num_layers, target)
+            return
+        for name in ("role_scale", "role_amax_pending", "role_counts"):
+            setattr(self, name, [t.to(target) for t in getattr(self, name)])
+        for name in ("amax_history", "initialized", "counts_epoch"):
+            setattr(self, name, getattr(self, name).to(target))
+        self._fp8_max = None
+
+    def set_rows(self, name: str, index: Tensor, values: Tensor) -> None:
+        """Write ``values`` (rows of the exported ``name`` field) into rows ``index`` (a device index tensor)."""
+        values = values.to(self.device)
+        with torch.no_grad():
+            if name in _PER_ROLE_FIELDS:
+                for role, tensor in enumerate(getattr(self, "role_" + name)):
+                    tensor.data.index_copy_(0, index, values[:, role])
+            else:
+                getattr(self, name).data.index_copy_(0, index, values)
+
+    def _role_max(self) -> Tensor:
+        if self._fp8_max is None or self._fp8_max.device != self.device:
+            values = [FP8_MAX[self.recipe.dtype(role)] for role in range(_N_ROLES)]
+            self._fp8_max = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self._fp8_max
+
+    # ------------------------------------------------------------------ the step path
+    @torch.no_grad()
+    def record(self, index: int, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor) -> None:
+        """Record one cast of ``role`` of layer ``index``: the scale it used, its amax (max-combined into the
+        pending amax, NaN-propagating), and ``numel`` plus the ``[nonzero, overflow, underflow]`` counts."""
+        self.role_scale[role][index].copy_(scale)
+        pending = self.role_amax_pending[role][index]
+        pending.copy_(torch.maximum(pending, amax.float()))
+        row = self.role_counts[role][index]
+        row[SEEN].add_(numel)
+        row[NONZERO:].add_(counts)
+
+    @torch.no_grad()
+    def roll(self) -> None:
+        """Push every pending amax into its history (where one was recorded) and zero the pending amaxes; for
+        ``delayed``, derive every scale from its history. A constant number of operations for all layers.
+
+        A zero pending amax means the tensor was not cast since the last roll (the layer did not run, or a
+        second optimizer stepped in the same training step): its history stays as it is. A NaN pending amax
+        is recorded, and ignored by the ``delayed`` formula.
+
+        The updates go through ``.data``, which leaves autograd's version counters alone: a standalone
+        ``fp8_autocast()`` rolls on exit, between a forward and its backward, and a ``torch.compile``d backward
+        keeps the grad_output state it records into as saved tensors. The backward is meant to see the rolled
+        state (its gradient scale comes from the updated history); no state tensor ever requires grad.
+        """
+        pending = self.amax_pending  # (L, 3), stacked
+        history = self.amax_history.data
+        recorded = (pending != 0).unsqueeze(-1)
+        shifted = torch.cat([pending.unsqueeze(-1), history[..., :-1]], dim=-1)
+        history.copy_(torch.where(recorded, shifted, history))
+        torch._foreach_zero_([t.data for t in self.role_amax_pending])
+        if self.recipe.name != "delayed":
+            return
+        usable = torch.where(torch.isfinite(history), history, torch.zeros_like(history))
+        amax_ref = usable.amax(dim=-1) if self.recipe.amax_compute_algo == "max" else usable[..., 0]
+        new_scale = amax_to_scale(amax_ref, self._role_max(), self.recipe.margin, self.recipe.round_to_power_of_2)
+        ok = amax_ref > 0
+        scale = torch.where(ok, new_scale, self.scale)
+        torch._foreach_copy_([t.data for t in self.role_scale], list(scale.unbind(1)))
+        self.initialized.data.logical_or_(ok)
+
+    @torch.no_grad()
+    def rescale_grad_output(self, ratio: Tensor) -> None:
+        """Multiply the grad_output amaxes (history and pending) by ``ratio`` (a device scalar).
+
+        With dynamic loss scaling the gradients a layer casts are multiplied by the loss scale; when the scale
+        changes by ``ratio``, the amaxes recorded under the old scale are brought into the new scale's domain,
+        so the ``delayed`` grad_output scale matches the gradients it will be applied to.
+        """
+        ratio = ratio.to(device=self.device, dtype=torch.float32)
+        self.amax_history.data[:, GRAD_OUTPUT].mul_(ratio)  # .data: see roll()
+        self.role_amax_pending[GRAD_OUTPUT].data.mul_(ratio)
+
+    @torch.no_grad()
+    def reset_counters(self) -> None:
+        """Zero the element counters (a new per-rank baseline) and bump ``counts_epoch``."""
+        torch._foreach_zero_([t.data for t in self.role_counts])  # .data: see roll()
+        self.counts_epoch.data.add_(1)
+
+    # ------------------------------------------------------------------ rows
+    def copy_rows_from(self, source: FP8StateTable, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy rows ``src`` of ``source`` (same recipe) into rows ``dst`` of this table."""
+        if not src:
+            return
+        src_index = torch.tensor(list(src), device=source.device)
+        dst_index = torch.tensor(list(dst), device=self.device)
+        for name, tensor in source.tensors().items():
+            self.set_rows(name, dst_index, tensor.index_select(0, src_index))
+
+
+# ---------------------------------------------------------------------- layers <-> tables
+
+
+class FP8StateRef:
+    """What a layer holds: its table and its row. Layers expose the row as views (``fp8_scale``...)."""
+
+    __slots__ = ("table", "index")
+
+    def __init__(self, table: FP8StateTable, index: int) -> None:
+        self.table = table
+        self.index = index
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FP8StateRef:
+        import copy
+
+        return FP8StateRef(copy.deepcopy(self.table, memo), self.index)
+
+    def __getstate__(self) -> tuple[FP8StateTable, int]:
+        return self.table, self.index
+
+    def __setstate__(self, state: tuple[FP8StateTable, int]) -> None:
+        self.table, self.index = state
+
+
+def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` for every module of ``model`` that holds FP8 state (each module once)."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "fp8_state", None), FP8StateRef):
+            yield name, module
+
+
+def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """All modules of ``model`` that carry FP8 state, keyed by qualified name."""
+    return dict(fp8_layers(model))
+
+
+def state_tables(model: nn.Module) -> list[FP8StateTable]:
+    """The distinct state tables of ``model``'s FP8 layers, in the order of the layers."""
+    seen: dict[int, FP8StateTable] = {}
+    for _, module in fp8_layers(model):
+        table = module.fp8_state.table
+        seen.setdefault(id(table), table)
+    return list(seen.values())
+
+
+def bind_state_tables(model: nn.Module) -> list[FP8StateTable]:
+    """Gather the FP8 state of all of ``model``'s FP8 layers into one table per recipe, in place.
+
+    Each layer keeps its values (its row is copied into the new table). Returns the tables; a model whose
+    layers already share one table per recipe, in layer order, is left as it is. Called by
+    :func:`~lightning_fp8.convert_to_fp8` and the precision plugin at setup (never on the step path).
+    """
+    groups: dict[FP8Recipe, list[nn.Module]] = {}
+    for _, module in fp8_layers(model):
+        groups.setdefault(module.fp8_state.table.recipe, []).append(module)
+    tables = []
+    for recipe, modules in groups.items():
+        refs = [m.fp8_state for m in modules]
+        first = refs[0].table
+        if all(r.table is first for r in refs) and [r.index for r in refs] == list(range(first.num_layers)):
+            tables.append(first)
+            continue
+        devices = {r.table.device for r in refs}
+        if len(devices) > 1:
+            raise ValueError(f"FP8 layers of one model are on several devices ({sorted(map(str, devices))}); move the model first")
+        table = FP8StateTable(recipe, len(modules), device=devices.pop())
+        by_source: dict[int, tuple[FP8StateTable, list[int], list[int]]] = {}
+        for row, ref in enumerate(refs):
+            entry = by_source.setdefault(id(ref.table), (ref.table, [], []))
+            entry[1].append(ref.index)
+            entry[2].append(row)
+        for source, src, dst in by_source.values():
+            table.copy_rows_from(source, src, dst)
+        for row, module in enumerate(modules):
+            module.fp8_state = FP8StateRef(table, row)
+        tables.append(table)
+    return tables
+
+
+@torch.no_grad()
+def roll_amax_history(model: nn.Module | Iterable[FP8StateTable]) -> None:
+    """Push every FP8 layer's pending amax into its history (and, for ``delayed``, update the scale).
+
+    A constant number of tensor operations per state table (one table per recipe once the model is
+    bound). The precision plugin calls it once per optimizer step; ``fp8_autocast()`` used on its own calls
+    it when the outermost region exits.
+    """
+    tables = state_tables(model) if isinstance(model, nn.Module) else list(model)
+    for table in tables:
+        table.roll()
+
+
+# ---------------------------------------------------------------------- export / import
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, Any]:
+    """Export the FP8 state of every FP8 layer of ``model``.
+
+    The result holds only tensors (copies, on the layers' device) and plain Python values, so it can be
+    saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``::
+
+        {"version": 2, "roles": ["input", "weight", "grad_output"], "count_fields": [...],
+         "tables": [{"recipe": {...}, "layers": [qualified names, one per row],
+                     "scale": (L, 3), "amax_history": (L, 3, H), "amax_pending": (L, 3),
+                     "counts": (L, 3, 4), "initialized": (L, 3), "counts_epoch": (L,)}, ...]}
+                                                                  # one table per recipe
+
+    Use :func:`layer_state` to read one layer's rows. A bound model exports each table with one copy per
+    tensor, whatever the number of layers.
+    """
+    groups: dict[FP8Recipe, list[tuple[str, FP8StateRef]]] = {}
+    for name, module in fp8_layers(model):
+        groups.setdefault(module.fp8_state.table.recipe, []).append((name, module.fp8_state))
+    tables = []
+    for recipe, entries in groups.items():
+        refs = [ref for _, ref in entries]
+        first = refs[0].table
+        whole = all(r.table is first for r in refs) and [r.index for r in refs] == list(range(first.num_layers))
+        if whole:
+            values = {name: tensor.detach().clone() for name, tensor in first.tensors().items()}
+        else:
+            parts: dict[str, list[Tensor]] = {name: [] for name in STATE_FIELDS}
+            for ref in refs:  # a partly bound model: one slice per layer (setup-time sizes)
+                for name, tensor in ref.table.tensors().items():
+                    parts[name].append(tensor[ref.index : ref.index + 1])
+            values = {name: torch.cat(chunks).detach().clone() for name, chunks in parts.items()}
+        tables.append({"recipe": recipe.to_dict(), "layers": [name for name, _ in entries], **values})
+    return {"version": STATE_FORMAT_VERSION, "roles": list(ROLES), "count_fields": list(COUNT_FIELDS), "tables": tables}
+
+
+def layer_state(state: dict[str, Any], name: str) -> dict[str, Any]:
+    """One layer's entry of an :func:`fp8_state_dict` export: ``{"recipe": {...}, "scale": (3,), ...}`` (views)."""
+    for table in _upgrade(state)["tables"]:
+        if name in table["layers"]:
+            row = table["layers"].index(name)
+            return {"recipe": table["recipe"], **{field: table[field][row] for field in STATE_FIELDS}}
+    raise KeyError(f"no FP8 layer {name!r} in this state (layers: {fp8_state_layer_names(state)})")
+
+
+def fp8_state_layer_names(state: dict[str, Any]) -> list[str]:
+    """The qualified names of the layers in an :func:`fp8_state_dict` export."""
+    return [name for table in _upgrade(state)["tables"] for name in table["layers"]]
+
+
+_V1_BUFFERS = {
+    "fp8_scale": "scale",
+    "fp8_amax_history": "amax_history",
+    "fp8_amax_pending": "amax_pending",
+    "fp8_counts": "counts",
+    "fp8_initialized": "initialized",
+}
+
+
+def _upgrade(state: Any) -> dict[str, Any]:
+    """Validate an export; convert the per-layer format of lightning-fp8 0.1 (version 1) to version 2."""
+    version = state.get("version") if isinstance(state, dict) else type(state).__name__
+    if version == STATE_FORMAT_VERSION:
+        return state
+    if version != 1:
+        raise ValueError(f"Unknown FP8 state format (expected version {STATE_FORMAT_VERSION} or 1, got {version})")
+    groups: dict[FP8Recipe, list[tuple[str, dict[str, Any]]]] = {}
+    for name, entry in state["layers"].items():
+        groups.setdefault(FP8Recipe.from_dict(entry["recipe"]), []).append((name, entry))
+    tables = []
+    for recipe, entries in groups.items():
+        table: dict[str, Any] = {"recipe": recipe.to_dict(), "layers": [name for name, _ in entries]}
+        for old, new in _V1_BUFFERS.items():
+            table[new] = torch.stack([entry[old] for _, entry in entries])
+        table["counts_epoch"] = torch.zeros(len(entries), dtype=torch.int64, device=table["scale"].device)
+        tables.append(table)
+    return {"version": STATE_FORMAT_VERSION, "roles": list(ROLES), "count_fields": list(COUNT_FIELDS), "tables": tables}
+
+
+@torch.no_grad()
+def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = True, counters: bool = True) -> None:
+    """Import a state made by :func:`fp8_state_dict` (or by lightning-fp8 0.1) into ``model``'s FP8 layers.
+
+    Layers are matched by qualified name. A constant number of tensor operations per table.
+
+    Args:
+        model: the model whose FP8 layers receive the state.
+        state: the export.
+        strict: require the saved and current sets of FP8 layers to be equal.
+        counters: also restore the element counters; ``False`` zeroes them and bumps their ``counts_epoch``
+            (a fresh per-rank baseline: the precision plugin does this when resuming with more than one rank,
+            since a checkpoint holds the counters of the rank that saved it).
+
+    Raises:
+        ValueError: if a layer's saved recipe differs from its current recipe (never a silent mix of
+            recipes), if the format version is unknown, or, with ``strict=True``, if the saved and current
+            sets of FP8 layers differ. Nothing is changed when it raises.
+    """
+    state = _upgrade(state)
+    current = {name: module.fp8_state for name, module in fp8_layers(model)}
+    saved_names = [name for table in state["tables"] for name in table["layers"]]
+    if strict:
+        missing = sorted(set(current) - set(saved_names))
+        unexpected = sorted(set(saved_names) - set(current))
+        if missing or unexpected:
+            raise ValueError(
+                f"FP8 state does not match the model's FP8 layers: missing {missing}, unexpected {unexpected}"
+            )
+    plan: list[tuple[dict[str, Any], dict[int, tuple[FP8StateTable, list[int], list[int]]]]] = []
+    for saved in state["tables"]:
+        recipe = FP8Recipe.from_dict(saved["recipe"])
+        targets: dict[int, tuple[FP8StateTable, list[int], list[int]]] = {}
+        for row, name in enumerate(saved["layers"]):
+            ref = current.get(name)
+            if ref is None:
+                continue
+            if ref.table.recipe != recipe:
+                raise ValueError(
+                    f"FP8 layer {name!r} was saved with recipe {recipe.to_dict()} but is configured with "
+                    f"{ref.table.recipe.to_dict()}. Resume with the same FP8Precision settings, or drop the FP8 state "
+                    "(the weights are recipe-free) by loading the model state_dict alone."
+                )
+            entry = targets.setdefault(id(ref.table), (ref.table, [], []))
+            entry[1].append(row)
+            entry[2].append(ref.index)
+        plan.append((saved, targets))
+    for saved, targets in plan:
+        for table, src, dst in targets.values():
+            src_index = torch.tensor(src, device=saved["scale"].device)
+            dst_index = torch.tensor(dst, device=table.device)
+            for name in STATE_FIELDS:
+                values = saved[name].index_select(0, src_index)
+                if name == "counts" and not counters:
+                    values = torch.zeros_like(values)
+                elif name == "counts_epoch" and not counters:
+                    values = values + 1
+                table.set_rows(name, dst_index, values)

@@ -1,0 +1,297 @@
+"""FP8 statistics: one device snapshot -> one cross-rank reduction -> one host copy -> named metrics.
+
+:class:`FP8Stats` reads the FP8 state tables of a model (or of every model a precision plugin set up),
+plus the plugin's loss scale and skipped-step count:
+
+1. **snapshot**: each state table's scales, amax histories, counters and counter epochs, concatenated
+   into one float64 device tensor (a constant number of operations per table, whatever the number of
+   layers);
+2. **reduce**: under ``torch.distributed``, one ``all_gather`` and a per-entry max (amax), min (scale) or
+   sum (counters) (:func:`lightning_fp8.distributed.reduce_statistics`); every rank must read together;
+3. **copy**: one device-to-host transfer;
+4. **metrics**: plain floats with stable names (below), with the overflow and underflow fractions of the
+   interval since the previous reading.
+
+Nothing here changes the numerics or logs anything: :class:`~lightning_fp8.FP8StatsCallback` formats
+and logs these metrics for the Trainer; a Fabric loop calls :meth:`FP8Stats.metrics` itself::
+
+    stats = FP8Stats(plugin)                  # the FP8Precision given to Fabric(plugins=[...])
+    for step, batch in enumerate(loader):
+        ...
+        if step % 50 == 0:                    # on every rank: the reading is a collective
+            fabric.log_dict(stats.metrics(), step=step)
+
+Metric names::
+
+    fp8/<layer>/<tensor>/amax            most recent amax            (tensor: input, weight, grad_output)
+    fp8/<layer>/<tensor>/scale           scale of the most recent cast (rowwise: smallest row scale)
+    fp8/<layer>/<tensor>/overflow_frac   saturated or non-finite elements / elements cast, this interval
+    fp8/<layer>/<tensor>/underflow_frac  non-zero elements flushed to zero / non-zero elements, this interval
+    fp8/loss_scale                       current loss scale (1 when gradients are not scaled; absent
+                                         without a loss scaler)
+    fp8/skipped_steps                    optimizer steps skipped for non-finite gradients, since the start
+    fp8/skipped_steps_interval           ... since the previous reading
+    fp8/worst/overflow_frac              largest overflow_frac of any layer and tensor
+    fp8/worst/overflow_layer             index of that layer in ``FP8Stats.layer_names``
+    fp8/worst/underflow_frac             largest underflow_frac
+    fp8/worst/underflow_layer            index of that layer
+    fp8/scale_min, fp8/scale_max         smallest and largest scale of any layer and tensor
+
+The ``*_frac`` metrics of a layer that cast nothing in the interval are left out. With several models
+(Fabric) each layer name starts with its model's class name (or index, if class names repeat).
+Under DDP the values are the reduced ones: amax the max over ranks, scale the min, counts the sum.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fp8.distributed import REDUCE_MAX, REDUCE_MIN, REDUCE_SUM, reduce_statistics
+from lightning_fp8.recipe import ROLES
+from lightning_fp8.state import NONZERO, OVERFLOW, SEEN, UNDERFLOW, FP8StateTable, fp8_layers
+
+_N_ROLES = len(ROLES)
+_N_COUNTS = 4
+
+
+@dataclass
+class LayerReading:
+    """One layer's values in a reading (plain floats, per role: input, weight, grad_output)."""
+
+    recipe: str
+    scale: list[float]
+    history: list[list[float]]
+    counts: list[list[float]]  #: seen, nonzero, overflow, underflow (cumulative)
+    counts_epoch: float
+
+    @property
+    def amax(self) -> list[float]:
+        """The most recent amax of each role."""
+        return [h[0] for h in self.history]
+
+
+@dataclass
+class FP8Reading:
+    """What one :meth:`FP8Stats.read` returned: host values, already reduced across ranks."""
+
+    layers: dict[str, LayerReading]
+    loss_scale: float  #: NaN without a loss scaler
+    skipped_steps: float
+
+
+@dataclass
+class _Block:
+    table: FP8StateTable
+    names: list[tuple[int, str]]  # (row, full name) of the rows to report
+
+
+def _label_models(models: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    if len(models) == 1:
+        return [("", models[0])]
+    names = [type(m).__name__ for m in models]
+    unique = len(set(names)) == len(names)
+    return [((name if unique else str(i)) + ".", m) for i, (name, m) in enumerate(zip(names, models))]
+
+
+class FP8Stats:
+    """FP8 statistics of a model or of a precision plugin's models (see the module docstring).
+
+    Args:
+        source: an ``nn.Module``, a list of modules, or an ``FP8Precision`` plugin (Trainer or Fabric), which
+            also gives the loss scale and the skipped-step count.
+        include: glob patterns of layer names to report (default: all FP8 layers).
+        exclude: glob patterns of layer names not to report.
+    """
+
+    def __init__(self, source: Any, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> None:
+        self.source = source
+        self.include = list(include) if include is not None else ["*"]
+        self.exclude = list(exclude or [])
+        #: Names of the reported layers, in metric order (``fp8/worst/*_layer`` index into it).
+        self.layer_names: list[str] = []
+        self.fetches = 0  #: device-to-host copies made (one per reading)
+        self._kinds: tuple[tuple[Any, ...], Tensor] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the interval baseline and the totals."""
+        self.last_counts: dict[str, list[list[float]]] = {}
+        self.last_epoch: dict[str, float] = {}
+        self.total_counts: dict[str, list[list[float]]] = {}
+        self.last_skipped = 0.0
+        self.has_baseline = False
+
+    # ------------------------------------------------------------------ sources
+    def _models(self) -> list[nn.Module]:
+        source = self.source
+        if isinstance(source, nn.Module):
+            return [source]
+        if isinstance(source, (list, tuple)):
+            return list(source)
+        return list(getattr(source, "fp8_models", []))
+
+    def _plugin_value(self, name: str) -> Tensor | None:
+        return None if isinstance(self.source, (nn.Module, list, tuple)) else getattr(self.source, name, None)
+
+    def _blocks(self) -> list[_Block]:
+        blocks: dict[int, _Block] = {}
+        for prefix, model in _label_models(self._models()):
+            for name, module in fp8_layers(model):
+                full = prefix + name
+                if not any(fnmatch.fnmatchcase(full, p) for p in self.include):
+                    continue
+                if any(fnmatch.fnmatchcase(full, p) for p in self.exclude):
+                    continue
+                ref = module.fp8_state
+                blocks.setdefault(id(ref.table), _Block(ref.table, [])).names.append((ref.index, full))
+        return list(blocks.values())
+
+    # ------------------------------------------------------------------ device side
+    def snapshot(self, blocks: list[_Block] | None = None) -> Tensor:
+        """Everything in one float64 tensor on the device (no transfer, no sync)."""
+        blocks = self._blocks() if blocks is None else blocks
+        device = blocks[0].table.device
+        parts: list[Tensor] = []
+        for block in blocks:
+            t = block.table
+            for tensor in (t.scale, t.amax_history, t.counts, t.counts_epoch):
+                parts.append(tensor.reshape(-1).to(torch.float64))
+        for name in ("loss_scale", "skipped_steps"):
+            value = self._plugin_value(name)
+            value = torch.full((1,), math.nan) if value is None else value.reshape(1)
+            parts.append(value.to(device=device, dtype=torch.float64))
+        return torch.cat(parts)
+
+    def _reduction_kinds(self, blocks: list[_Block], device: torch.device) -> Tensor:
+        key = tuple((id(b.table), b.table.num_layers, b.table.recipe.amax_history_len) for b in blocks) + (device,)
+        if self._kinds is None or self._kinds[0] != key:
+            kinds: list[int] = []
+            for block in blocks:
+                t = block.table
+                kinds += [REDUCE_MIN] * t.scale.numel() + [REDUCE_MAX] * t.amax_history.numel()
+                kinds += [REDUCE_SUM] * t.counts.numel() + [REDUCE_MAX] * t.counts_epoch.numel()
+            kinds += [REDUCE_MAX, REDUCE_MAX]  # loss scale and skipped steps are the same on every rank
+            self._kinds = (key, torch.tensor(kinds, dtype=torch.int8, device=device))
+        return self._kinds[1]
+
+    # ------------------------------------------------------------------ host side
+    def read(self) -> FP8Reading | None:
+        """Snapshot, reduce across ranks, copy to the host once. ``None`` if there is no FP8 layer to report."""
+        blocks = self._blocks()
+        if not blocks:
+            return None
+        flat = self.snapshot(blocks)
+        flat = reduce_statistics(flat, self._reduction_kinds(blocks, flat.device))
+        self.fetches += 1
+        values = flat.to("cpu").tolist()
+        layers: dict[str, LayerReading] = {}
+        pos = 0
+        for block in blocks:
+            t = block.table
+            n, length = t.num_layers, t.recipe.amax_history_len
+            scale, pos = values[pos : pos + n * _N_ROLES], pos + n * _N_ROLES
+            history, pos = values[pos : pos + n * _N_ROLES * length], pos + n * _N_ROLES * length
+            counts, pos = values[pos : pos + n * _N_ROLES * _N_COUNTS], pos + n * _N_ROLES * _N_COUNTS
+            epochs, pos = values[pos : pos + n], pos + n
+            for row, name in sorted(block.names, key=lambda rn: rn[0]):
+                layers[name] = LayerReading(
+                    recipe=t.recipe.name,
+                    scale=scale[row * _N_ROLES : (row + 1) * _N_ROLES],
+                    history=[
+                        history[(row * _N_ROLES + r) * length : (row * _N_ROLES + r + 1) * length] for r in range(_N_ROLES)
+                    ],
+                    counts=[
+                        counts[(row * _N_ROLES + r) * _N_COUNTS : (row * _N_ROLES + r + 1) * _N_COUNTS]
+                        for r in range(_N_ROLES)
+                    ],
+                    counts_epoch=epochs[row],
+                )
+        self.layer_names = list(layers)
+        return FP8Reading(layers, loss_scale=values[pos], skipped_steps=values[pos + 1])
+
+    def take_baseline(self, reading: FP8Reading | None = None) -> None:
+        """Start the interval from now (reads the state unless ``reading`` is given)."""
+        reading = self.read() if reading is None else reading
+        if reading is None:
+            return
+        self.last_counts = {name: layer.counts for name, layer in reading.layers.items()}
+        self.last_epoch = {name: layer.counts_epoch for name, layer in reading.layers.items()}
+        self.last_skipped = reading.skipped_steps
+        self.has_baseline = True
+
+    def metrics(self, reading: FP8Reading | None = None) -> dict[str, float]:
+        """The named metrics (module docstring) of ``reading`` (or of a new reading); the interval fractions are
+        since the previous call (or the baseline), and the totals are updated."""
+        reading = self.read() if reading is None else reading
+        if reading is None:
+            return {}
+        metrics: dict[str, float] = {}
+        worst_over = worst_under = (-1.0, -1)
+        scales: list[float] = []
+        zeros = [[0.0] * _N_COUNTS for _ in ROLES]
+        for index, (name, layer) in enumerate(reading.layers.items()):
+            last = self.last_counts.get(name, zeros)
+            if self.last_epoch.get(name, layer.counts_epoch) != layer.counts_epoch:
+                last = zeros  # the counters restarted from zero since the baseline (a multi-rank resume)
+            total = self.total_counts.setdefault(name, [[0.0] * _N_COUNTS for _ in ROLES])
+            for r, role in enumerate(ROLES):
+                prefix = f"fp8/{name}/{role}"
+                metrics[f"{prefix}/amax"] = layer.history[r][0]
+                metrics[f"{prefix}/scale"] = layer.scale[r]
+                scales.append(layer.scale[r])
+                delta = [now - before for now, before in zip(layer.counts[r], last[r])]
+                total[r] = [t + d for t, d in zip(total[r], delta)]
+                if delta[SEEN] > 0:
+                    over = delta[OVERFLOW] / delta[SEEN]
+                    metrics[f"{prefix}/overflow_frac"] = over
+                    if over > worst_over[0]:
+                        worst_over = (over, index)
+                if delta[NONZERO] > 0:
+                    under = delta[UNDERFLOW] / delta[NONZERO]
+                    metrics[f"{prefix}/underflow_frac"] = under
+                    if under > worst_under[0]:
+                        worst_under = (under, index)
+            self.last_counts[name] = layer.counts
+            self.last_epoch[name] = layer.counts_epoch
+        if not math.isnan(reading.loss_scale):
+            metrics["fp8/loss_scale"] = reading.loss_scale
+        skipped = 0.0 if math.isnan(reading.skipped_steps) else reading.skipped_steps
+        metrics["fp8/skipped_steps"] = skipped
+        metrics["fp8/skipped_steps_interval"] = skipped - self.last_skipped
+        self.last_skipped = skipped
+        self.has_baseline = True
+        if worst_over[1] >= 0:
+            metrics["fp8/worst/overflow_frac"], metrics["fp8/worst/overflow_layer"] = worst_over[0], float(worst_over[1])
+        if worst_under[1] >= 0:
+            metrics["fp8/worst/underflow_frac"] = worst_under[0]
+            metrics["fp8/worst/underflow_layer"] = float(worst_under[1])
+        finite = [s for s in scales if math.isfinite(s)]
+        if finite:
+            metrics["fp8/scale_min"], metrics["fp8/scale_max"] = min(finite), max(finite)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The interval baseline and the totals (plain values)."""
+        return {
+            "last_counts": self.last_counts,
+            "last_epoch": self.last_epoch,
+            "total_counts": self.total_counts,
+            "last_skipped": self.last_skipped,
+            "has_baseline": self.has_baseline,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.last_counts = state["last_counts"]
+        self.last_epoch = state.get("last_epoch", {})
+        self.total_counts = state["total_counts"]
+        self.last_skipped = state["last_skipped"]
+        self.has_baseline = state.get("has_baseline", bool(self.last_counts))
