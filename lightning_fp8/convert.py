@@ -226,7 +226,7 @@ def convert_from_fp8(module: nn.Module) -> list[str]:
     sources = {rule.fp8_type: rule.source for rule in _REGISTRY.values()}
     for name, child in module.named_modules():
         if isinstance(child, FP8Module):
-            source = next(src for fp8_type, src in sources.items() if isinstance(child, fp8_type))
+            source = sources.get(type(child)) or next(src for t, src in sources.items() if isinstance(child, t))
             child.remove_fp8_state()
             child.__class__ = source
             names.append(name)

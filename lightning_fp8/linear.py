@@ -145,7 +145,7 @@ class _FP8LinearFn(torch.autograd.Function):
             go_spec, w_spec = specs.grad_input
             q_go = call.quantize(grad_out, go_spec, record)
             record = False  # grad_output's statistics are recorded once per backward
-            qw = Quantized(saved_w, w_scale, None) if ctx.w_reused else call.quantize(saved_w, w_spec, False)
+            qw = Quantized(saved_w, w_scale, None) if ctx.w_reused else call.quantize_weight(saved_w, w_spec, False, None)
             grad_input = gemm.fp8_mm(
                 q_go.data, _column_major(qw.data), q_go.scale, qw.scale, _gemm_dtype(grad_out.dtype, go_spec)
             ).to(ctx.x_dtype)

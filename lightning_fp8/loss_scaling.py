@@ -158,7 +158,7 @@ class LossScaler:
             return None
         if self.scaler._scale is not None:
             return self.scaler._scale
-        return torch.full((), self._settings["init_scale"] if self.mode == "dynamic" else 1.0, device=self._device)
+        return torch.full((), float(self.scaler._init_scale), device=self._device)  # before the first backward
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -147,3 +147,45 @@ def test_exact_resume_ddp_two_processes(recipe, tmp_path):
     for name in totals_s:
         assert totals_s[name] == totals_r[name], name
         assert all(value >= 0 for role in totals_r[name] for value in role), name
+
+
+# ------------------------------------------------------------------ checkpoints written by lightning-fp8 0.1
+
+V01 = os.path.join(os.path.dirname(__file__), "data", "fp8_state_v0_1.pt")  # made by data/make_fp8_state_v0_1.py
+
+
+def test_plugin_state_of_version_0_1_loads():
+    """0.1 stored one dict per layer (fp8_scale, fp8_amax_history, ...); it loads into the state table, and
+    the dynamic loss scale it saved does not leak into the bf16 default (which does not scale)."""
+    from lightning.fabric import Fabric
+
+    from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
+
+    saved = torch.load(V01, weights_only=True)
+    old = saved["fp8"]
+    assert old["version"] == 1 and set(old["fp8"]["layers"]) == {"0", "2"}
+    for loss_scaling, scale in (("dynamic", old["loss_scaler"]["scale"]), ("auto", 1.0)):
+        plugin = FabricFP8Precision(recipe="delayed", amax_history_len=4, loss_scaling=loss_scaling)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+        model.load_state_dict(saved["model"])
+        model = fabric.setup(model)
+        if loss_scaling == "auto":
+            with pytest.warns(UserWarning, match="loss scaling mode is 'dynamic'.*starts fresh"):
+                plugin.load_state_dict(old)
+        else:
+            plugin.load_state_dict(old)
+        assert float(plugin.loss_scale) == scale
+        for name in ("0", "2"):
+            layer = model.module.get_submodule(name)
+            for buffer in ("fp8_scale", "fp8_amax_history", "fp8_amax_pending", "fp8_counts", "fp8_initialized"):
+                assert torch.equal(getattr(layer, buffer), old["fp8"]["layers"][name][buffer]), (name, buffer)
+        assert int(plugin.skipped_steps) == int(old["skipped_steps"])
+        # and training goes on from the loaded histories
+        with lf.fp8_autocast():
+            model(torch.randn(4, 32))
+
+    # another recipe is still refused, naming both
+    plugin = FabricFP8Precision(recipe="tensorwise")
+    with pytest.raises(ValueError, match="trained with FP8 recipe .*delayed.*configured with .*tensorwise"):
+        plugin.load_state_dict(old)

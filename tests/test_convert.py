@@ -227,3 +227,50 @@ def test_conversion_logs_summary(caplog):
     assert "recipe=tensorwise" in msg and "emulated" in msg
     for name in ("attn.out_proj", "odd", "custom", "head"):
         assert name in msg
+
+
+# --- the registry ----------------------------------------------------------------------------------------
+
+
+class Scaled(nn.Linear):
+    """A high-precision layer type of 'another library': a Linear whose output is doubled."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class FP8Scaled(FP8Linear, Scaled):
+    def forward(self, x):
+        return 2 * FP8Linear.forward(self, x)
+
+
+def _to_fp8_scaled(module, recipe):
+    module.__class__ = FP8Scaled
+    module.init_fp8_state(recipe, module.weight.device)
+    return module
+
+
+def test_registering_a_layer_type_converts_it(monkeypatch):
+    from lightning_fp8 import convert
+
+    monkeypatch.setattr(convert, "_REGISTRY", dict(convert._REGISTRY))  # leave the global registry as it was
+    net = nn.Sequential(nn.Linear(32, 32), Scaled(32, 32))
+    before = lf.convert_to_fp8(copy.deepcopy(net))
+    assert "1" in before.skipped and "subclass of nn.Linear" in before.skipped["1"]
+
+    convert.register_fp8_module(convert.FP8ModuleRule(Scaled, FP8Scaled, _to_fp8_scaled))
+    reference = copy.deepcopy(net)
+    report = lf.convert_to_fp8(net, recipe="delayed")
+    assert report.converted == ["0", "1"] and type(net[1]) is FP8Scaled
+    assert net[0].fp8_state.table is net[1].fp8_state.table  # one table for every registered type
+    x = torch.randn(4, 32)
+    with lf.fp8_autocast():
+        y = net(x)
+    torch.testing.assert_close(y, reference(x), rtol=0.15, atol=0.15)
+    assert int(net[1].fp8_counts[0, 0]) == 4 * 32
+    assert lf.convert_from_fp8(net) == ["0", "1"] and type(net[1]) is Scaled and type(net[0]) is nn.Linear
+
+    with pytest.raises(ValueError, match="registered already"):
+        convert.register_fp8_module(convert.FP8ModuleRule(Scaled, FP8Scaled, _to_fp8_scaled))
+    with pytest.raises(ValueError, match="must subclass both FP8Module and Conv1d"):
+        convert.register_fp8_module(convert.FP8ModuleRule(nn.Conv1d, FP8Scaled, _to_fp8_scaled))

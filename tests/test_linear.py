@@ -648,3 +648,81 @@ def test_state_is_fresh_after_to_empty_from_meta():
     with lf.fp8_autocast():
         out = layer(torch.randn(4, 32))
     assert torch.isfinite(out).all()
+
+
+# --- the weight provider seam ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_weight_provider_hands_over_the_quantized_weight(recipe):
+    """A provider (what an FP8 all-gathered weight will be) replaces the layer's own weight cast; its statistics are
+    recorded as if the layer had cast the weight, and ``None`` falls back to the layer's cast."""
+    from lightning_fp8.quantize import quantize
+
+    layer = FP8Linear(64, 32, recipe=recipe)
+    reference = copy.deepcopy(layer)
+    specs = []
+
+    def provider(module, spec):
+        specs.append(spec)
+        return quantize(module.weight, spec)
+
+    layer.weight_provider = provider
+    x, g = torch.randn(8, 64), torch.randn(8, 32)
+    assert all(torch.equal(a, b) for a, b in zip(_step(layer, x, g), _step(reference, x, g)))
+    assert _same_buffers(_buffers(layer), _buffers(reference))  # the provided weight's statistics were recorded
+    # asked for the forward cast; rowwise also for the backward's column-wise cast of W
+    expected = lf.FP8Recipe(name=recipe).cast_specs()
+    assert specs == ([expected.forward[1], expected.grad_input[1]] if recipe == "rowwise" else [expected.forward[1]])
+
+    layer.weight_provider = lambda module, spec: None  # nothing to hand over: the layer casts
+    assert torch.equal(_step(layer, x, g)[0], _step(reference, x, g)[0])
+
+    doubled = copy.deepcopy(reference)
+    doubled.weight_provider = lambda module, spec: quantize(module.weight.detach() * 2, spec)
+    y = _step(doubled, x, g)[0]
+    torch.testing.assert_close(y - reference.bias, 2 * (_step(reference, x, g)[0] - reference.bias), rtol=0.1, atol=0.1)
+
+
+# --- the region is thread-local ----------------------------------------------------------------------------
+
+
+def test_fp8_region_is_thread_local():
+    import threading
+
+    layer = FP8Linear(32, 16)
+    x = torch.randn(4, 32)
+    seen = {}
+
+    def other_thread():
+        seen["enabled"] = lf.is_fp8_autocast_enabled()
+        seen["out"] = layer(x)
+
+    with lf.fp8_autocast():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        fp8_out = layer(x)
+    assert seen["enabled"] is False
+    assert torch.equal(seen["out"], nn.functional.linear(x, layer.weight, layer.bias))  # high precision there
+    assert not torch.equal(fp8_out, seen["out"])
+
+
+def test_deepcopy_of_a_bound_model_gets_its_own_table():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    lf.convert_to_fp8(model, recipe="delayed")
+    _step(model, torch.randn(4, 32))
+    twin = copy.deepcopy(model)
+    assert twin[0].fp8_state.table is twin[2].fp8_state.table is not model[0].fp8_state.table
+    assert _same_buffers(_buffers(model), _buffers(twin))
+    _step(twin, torch.randn(4, 32) * 3)
+    assert not _same_buffers(_buffers(model), _buffers(twin))  # independent state
+
+
+def test_moving_a_single_layer_of_a_shared_table_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    lf.convert_to_fp8(model)
+    model[0].to("meta")  # moves the shared table with it
+    with pytest.raises(RuntimeError, match="move the whole model"):
+        with lf.fp8_autocast():
+            model[1](torch.randn(2, 32))

@@ -1,0 +1,131 @@
+"""FP8Stats: one snapshot, one reduction, one host copy -> named metrics; usable without the Trainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+import lightning_fp8 as lf
+from lightning_fp8 import FP8Stats
+from lightning_fp8.fabric import FP8Precision
+
+
+def _model():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    lf.convert_to_fp8(model, recipe="delayed")
+    return model
+
+
+def _steps(model, n, scale=1.0):
+    for _ in range(n):
+        x = torch.randn(8, 32) * scale
+        with lf.fp8_autocast():
+            y = model(x)
+        y.square().mean().backward()
+
+
+def test_metrics_of_a_model_and_their_intervals():
+    model = _model()
+    stats = FP8Stats(model)
+    stats.take_baseline()
+    _steps(model, 2)
+    first = stats.metrics()
+    assert stats.fetches == 2 and stats.layer_names == ["0", "2"]
+    layer = model[0]
+    assert first["fp8/0/input/amax"] == float(layer.fp8_amax_history[0, 0])
+    assert first["fp8/0/weight/scale"] == float(layer.fp8_scale[1])
+    assert first["fp8/0/input/overflow_frac"] == 0.0
+    assert "fp8/loss_scale" not in first and first["fp8/skipped_steps"] == 0.0  # no plugin: no loss scaler
+    assert first["fp8/scale_min"] <= first["fp8/scale_max"]
+    # the next interval: a step whose input outgrows the delayed scale saturates (only this interval counts)
+    _steps(model, 1, scale=100.0)
+    second = stats.metrics()
+    over = second["fp8/0/input/overflow_frac"]
+    assert 0 < over < 1 and second["fp8/worst/overflow_frac"] >= over
+    seen, _, overflow, _ = stats.total_counts["0"][0]
+    assert seen == 3 * 8 * 32 and overflow == round(over * 8 * 32)
+    # nothing ran: no fractions, only the levels
+    third = stats.metrics()
+    assert "fp8/0/input/overflow_frac" not in third and "fp8/0/input/amax" in third
+
+
+def test_counter_restart_takes_a_new_baseline():
+    """Counters that restart from zero (a multi-rank resume) must not give negative interval counts."""
+    model = _model()
+    stats = FP8Stats(model)
+    _steps(model, 3)
+    stats.metrics()
+    for table in lf.state.state_tables(model):
+        table.reset_counters()
+    _steps(model, 1, scale=100.0)
+    metrics = stats.metrics()
+    assert 0 < metrics["fp8/0/input/overflow_frac"] < 1
+    assert all(v >= 0 for role in stats.total_counts["0"] for v in role)
+    assert stats.total_counts["0"][0][0] == 4 * 8 * 32
+
+
+def test_include_exclude_and_several_models():
+    a, b = _model(), nn.Sequential(nn.Linear(32, 32))
+    lf.convert_to_fp8(b, recipe="delayed")
+    stats = FP8Stats([a, b])  # two models of the same class: named by their index
+    assert stats.read() is not None and stats.layer_names == ["0.0", "0.2", "1.0"]
+    assert FP8Stats([a, b], exclude=["0.*"]).read().layers.keys() == {"1.0"}
+    assert FP8Stats([a, b], include=["*.2"]).read().layers.keys() == {"0.2"}
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+    head = Head()
+    lf.convert_to_fp8(head)
+    assert FP8Stats([a, head]).read().layers.keys() == {"Sequential.0", "Sequential.2", "Head.proj"}
+    assert FP8Stats(nn.Linear(4, 4)).read() is None and FP8Stats(nn.Linear(4, 4)).metrics() == {}
+
+
+def test_fabric_loop_reads_the_plugin(tmp_path):
+    plugin = FP8Precision(recipe="tensorwise", loss_scaling="dynamic")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    stats = FP8Stats(plugin)
+    for _ in range(2):
+        optimizer.zero_grad()
+        fabric.backward(model(torch.randn(8, 32)).float().square().mean())
+        optimizer.step()
+    metrics = stats.metrics()
+    assert metrics["fp8/loss_scale"] == 2.0**16 and metrics["fp8/skipped_steps"] == 0
+    assert math.isfinite(metrics["fp8/0/grad_output/amax"]) and metrics["fp8/0/grad_output/amax"] > 0
+    state = stats.state_dict()
+    fresh = FP8Stats(plugin)
+    fresh.load_state_dict(state)
+    assert fresh.total_counts == stats.total_counts and fresh.has_baseline
+
+
+def test_snapshot_is_constant_work_per_table():
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(n_layers):
+        model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(n_layers)))
+        lf.convert_to_fp8(model)
+        with Ops() as counter:
+            FP8Stats(model).snapshot()
+        return counter.n
+
+    assert ops(4) == ops(64)
