@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # models.TinyDecoder
 logging.getLogger("torchao").setLevel(logging.ERROR)
 
 import lightning as L
-from bench_linear import environment
+from harness import environment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from models import ByteWindows, TinyDecoder, stdlib_bytes

@@ -27,12 +27,9 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import datetime
 import logging
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +41,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_fp8 as lf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 logging.getLogger("torchao").setLevel(logging.ERROR)  # torchao warns about its CUDA-only extensions on import
 
@@ -92,67 +92,8 @@ def make_config(quick: bool) -> Config:
 # environment
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    keep = [fl for fl in flags if fl.startswith(("amx", "avx512_bf16", "avx512f"))]
-                    return " ".join(sorted(keep)) or "none of amx/avx512"
-    except OSError:
-        pass
-    return "unknown"
-
-
-def package_version(name: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:
-        return "not installed"
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "lightning_fp8"], cwd=os.path.dirname(HERE),
-            capture_output=True, text=True,
-        ).stdout.strip()
-        return rev + (" (lightning_fp8/ has uncommitted changes)" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def environment() -> dict[str, str]:
-    return {
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "cpu": cpu_model(),
-        "cpu flags": cpu_flags(),
-        "cores": f"{os.cpu_count()} logical CPUs, torch uses {torch.get_num_threads()} threads",
-        "load average at start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchao": package_version("torchao"),
-        "lightning": package_version("lightning"),
-        "lightning_fp8": f"{lf.__version__} (git {git_revision()})",
-        "GEMM path": f"{lf.gemm_path('cpu')}: {lf.gemm.describe_gemm_path('cpu')}",
-    }
+# Machine facts and versions come from the shared harness (benchmarks/harness.py).
+environment = harness.environment
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,12 +7,10 @@ so it states the user-visible contract, not an implementation detail.
 from __future__ import annotations
 
 import copy
-import math
 
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.fabric import Fabric
 from models import TinyDecoder, loader
 from torch import nn

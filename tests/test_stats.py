@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import nn
