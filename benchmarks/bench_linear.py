@@ -434,7 +434,7 @@ def bench_stats_overhead(cfg: Config) -> dict[str, Any]:
     public = timed_round_robin(steps, 2, cfg.layer_reps)
 
     # Internal functions (not public API): what one cast costs with and without the counts.
-    from lightning_fp8 import cast as lf_cast
+    from lightning_fp8 import quantize as lf_cast
 
     xt = torch.randn(m, k)
     scale = torch.tensor(448.0 / float(xt.abs().max()))
@@ -491,7 +491,7 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
                  "`(CPU s)` ratios, and rerun on an idle machine before drawing conclusions from small differences.")
         L.append("")
     L.append("> **Read this first.** This machine has no FP8 hardware. Our FP8 GEMMs run the *emulated* path "
-             "(FP8 values widened to bf16, bf16 GEMM with fp32 accumulation, scales applied after), and "
+             "(FP8 values widened to float32, float32 GEMM, scales applied to the float32 result, one rounding), and "
              "torchao runs with `Float8LinearConfig(emulate=True)` (FP8 values dequantized to float32, `torch.mm`). "
              "Both therefore pay a GEMM at least as expensive as bf16 *plus* the quantization casts, so on this "
              "machine FP8 can only be slower than bf16. The speed goal (faster than bf16) needs FP8 tensor cores "
@@ -563,7 +563,7 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
     L.append("x bf16 > 1 means slower than bf16. On this CPU that is expected for every FP8 variant (see the note "
              "at the top); the ratio shows the cost of the emulated path, not FP8 speed. torchao's emulation "
              "runs its forward GEMM in bf16 (CPU autocast applies to its `torch.mm`) but its two backward GEMMs in "
-             "float32 (backward runs outside autocast), ours runs all three in bf16.")
+             "float32 (backward runs outside autocast), ours multiplies the FP8 values of all three in float32 and rounds once, as `torch._scaled_mm` does.")
     L.append("")
     L.append("### torch.compile (inductor)")
     L.append("")
@@ -640,7 +640,7 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
              "plus state update. The internal micro-benchmark below separates the counting (`cast_with_statistics` "
              "vs `saturated_cast`).")
     L.append("")
-    L.append(f"Internal functions (`lightning_fp8.cast`, not public API), one {m}x{k} float32 tensor to E4M3, "
+    L.append(f"Internal functions (`lightning_fp8.quantize`, not public API), one {m}x{k} float32 tensor to E4M3, "
              f"fastest of {cfg.micro_reps} calls:")
     L.append("")
     L.append("| operation | ms | x plain cast |")

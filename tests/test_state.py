@@ -374,3 +374,17 @@ def test_counts_accumulate_overflow_and_underflow():
     _step(layer, x2, torch.randn(8, 16))
     delta = (layer.fp8_counts - before)[INPUT].tolist()
     assert delta == [256, 254, 4, 3]  # seen, nonzero, overflow, underflow
+
+
+def test_modules_of_version_0_1_are_deprecated_aliases():
+    import importlib
+    import sys
+
+    for name, attr, target in (
+        ("lightning_fp8.scaling", "fp8_state_dict", lf.fp8_state_dict),
+        ("lightning_fp8.cast", "saturated_cast", cast_module.saturated_cast),
+    ):
+        sys.modules.pop(name, None)
+        with pytest.warns(DeprecationWarning, match=name.replace(".", r"\.")):
+            module = importlib.import_module(name)
+        assert getattr(module, attr) is target
