@@ -241,7 +241,8 @@ class FP8PrecisionBase(Precision):
                 self._param_owner.setdefault(id(param), len(self.fp8_models) - 1)
             if self._pending_states:
                 self._load_model_state(module, self._pending_states.pop(0))
-        self._tables = [t for m in self.fp8_models for t in state_tables(m)]
+        # a submodule shared by two models (a common trunk) is in both models' tables: list each table once
+        self._tables = list({id(t): t for m in self.fp8_models for t in state_tables(m)}.values())
         self._optimizer_tables.clear()
         return module
 
@@ -335,19 +336,32 @@ class FP8PrecisionBase(Precision):
             self._optimizer_tables[id(inner)] = cached
         return cached
 
+    def _scale_loss(self, tensor: Tensor) -> Tensor:
+        """The loss to run backward on. The loss-scale update of the previous optimizer steps is applied first
+        (once per backward), and every table's grad_output amaxes follow the scale (see :meth:`apply_loss_scale_update`)."""
+        scaled, ratio = self.loss_scaler.scale(tensor)
+        self.apply_loss_scale_update(ratio)
+        return scaled
+
+    def apply_loss_scale_update(self, ratio: Tensor | None) -> None:
+        """When the loss scale changed by ``ratio`` (``"dynamic"`` loss scaling), multiply the grad_output amaxes
+        recorded under the old scale by it, in every state table (every model's gradients are scaled), and re-derive
+        the ``delayed`` gradient scales: the next backward then casts with scales that fit the new loss scale. A
+        constant number of tensor operations per table."""
+        if ratio is not None:
+            for table in self._tables:
+                table.rescale_grad_output(ratio)
+
     def _step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """Step (or skip) through the loss scaler, then the FP8 bookkeeping of this optimizer's models."""
-        out, ratio = self.loss_scaler.step(optimizer, **kwargs)
-        self.after_optimizer_step(optimizer, ratio)
+        out = self.loss_scaler.step(optimizer, **kwargs)
+        self.after_optimizer_step(optimizer)
         return out
 
-    def after_optimizer_step(self, optimizer: Any = None, loss_scale_ratio: Tensor | None = None) -> None:
+    def after_optimizer_step(self, optimizer: Any = None) -> None:
         """The FP8 bookkeeping of one optimizer step (a constant number of tensor operations per state table):
-        rescale every table's grad_output amaxes if the loss scale changed, MAX-reduce the pending amaxes of the
-        optimizer's models across ranks (one collective), roll their histories."""
-        if loss_scale_ratio is not None:
-            for table in self._tables:
-                table.rescale_grad_output(loss_scale_ratio)
+        MAX-reduce the pending amaxes of the models ``optimizer`` updates (all models if ``None``) across ranks
+        (one collective), then roll their histories."""
         tables = self._tables if optimizer is None else self._tables_of(optimizer)
         all_reduce_pending_amax(tables)
         for table in tables:
@@ -356,7 +370,11 @@ class FP8PrecisionBase(Precision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Loss-scaler state, skipped-step count and every model's FP8 state: tensors and plain values only."""
+        """Loss-scaler state, skipped-step count and every model's FP8 state: tensors and plain values only.
+
+        A loss-scale update still pending from the last optimizer step is applied first (it would otherwise
+        happen at the next backward), so the saved scale is the one the next backward uses."""
+        self.apply_loss_scale_update(self.loss_scaler.update())
         scaler = self.loss_scaler.state_dict()
         return {
             "version": PLUGIN_STATE_VERSION,
@@ -434,7 +452,7 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Scale the loss (``"dynamic"`` loss scaling), then run the backward pass."""
-        self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+        self._scale_loss(tensor).backward(*args, **kwargs)
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:

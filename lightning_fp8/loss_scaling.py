@@ -88,6 +88,9 @@ class LossScaler:
         # Optimizers stepped since the last scaled backward: their gradients are consumed. (A training_step
         # that returned None ran no backward; a second optimizer stepping after the same backward is fine.)
         self._stepped: set[int] | None = None  # None: no scaled backward yet
+        # GradScaler.update() runs once per backward, before the next one (or before a checkpoint), so that
+        # every optimizer stepping on the gradients of one backward is unscaled with the same scale.
+        self._update_pending = False
 
     # ------------------------------------------------------------------ setup
     def bind(self, device: torch.device) -> None:
@@ -102,12 +105,29 @@ class LossScaler:
                 self.scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ the step
-    def scale(self, loss: Tensor) -> Tensor:
-        """The loss to call ``backward`` on (multiplied by the scale in ``"dynamic"`` mode)."""
+    def scale(self, loss: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(the loss to call backward on, ratio)``: the loss multiplied by the scale (``"dynamic"``), after the
+        scale update of the previous steps; ``ratio`` is ``new_scale / old_scale`` of that update (a device
+        scalar, ``"dynamic"`` only, else ``None``): amaxes recorded under the old scale must be multiplied by it."""
         if self.scaler is None:
-            return loss
+            return loss, None
+        ratio = self.update()
         self._stepped = set()
-        return self.scaler.scale(loss)
+        return self.scaler.scale(loss), ratio
+
+    def update(self) -> Tensor | None:
+        """Apply the pending scale update (``GradScaler.update``) of the optimizer steps since the last backward:
+        back off if any of them found non-finite gradients, grow after ``growth_interval`` clean ones. Returns
+        ``new_scale / old_scale`` in ``"dynamic"`` mode, ``None`` otherwise or when nothing is pending."""
+        if not self._update_pending or self.scaler is None:
+            return None
+        self._update_pending = False
+        if self.mode != "dynamic":
+            self.scaler.update(new_scale=1.0)  # resets the per-optimizer inf checks; the scale stays 1
+            return None
+        before = self.scaler._scale.clone()
+        self.scaler.update()
+        return self.scaler._scale / before
 
     def _has_fresh_gradients(self, optimizer: Any) -> bool:
         return self._stepped is not None and id(optimizer) not in self._stepped
@@ -122,17 +142,13 @@ class LossScaler:
         if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             scaler.unscale_(optimizer)
 
-    def step(self, optimizer: Any, **kwargs: Any) -> tuple[Any, Tensor | None]:
-        """Step ``optimizer`` (or skip it for non-finite gradients), count a skip, update the scale.
-
-        Returns ``(what optimizer.step returned, ratio)`` where ``ratio`` is ``new_scale / old_scale`` (a
-        device scalar) in ``"dynamic"`` mode and ``None`` otherwise.
-        """
+    def step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step ``optimizer`` (or skip it for non-finite gradients) and count a skip; the scale update follows at the
+        next backward (:meth:`update`), once for all optimizers stepping on the same gradients."""
         scaler = self.scaler
         inner = getattr(optimizer, "_optimizer", optimizer)
         if scaler is None or scaler._scale is None or not self._has_fresh_gradients(inner):
-            return optimizer.step(**kwargs), None
-        before = scaler._scale.clone() if self.mode == "dynamic" else None
+            return optimizer.step(**kwargs)
         out = scaler.step(optimizer, **kwargs)
         found_inf = sum(
             v.to(scaler._scale.device, non_blocking=True)
@@ -140,15 +156,10 @@ class LossScaler:
         )
         skipped = (found_inf > 0).to(torch.int64).to(self.skipped_steps.device)
         self.skipped_steps = self.skipped_steps + skipped
-        if self.mode == "dynamic":
-            scaler.update()
-            ratio = scaler._scale / before
-        else:
-            scaler.update(new_scale=1.0)
-            ratio = None
         assert self._stepped is not None
         self._stepped.add(id(inner))
-        return out, ratio
+        self._update_pending = True
+        return out
 
     # ------------------------------------------------------------------ reading
     @property
@@ -162,7 +173,10 @@ class LossScaler:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "scaler" (GradScaler state, {} when off), "skipped_steps"}``: plain values and tensors."""
+        """``{"mode", "scaler" (GradScaler state, {} when off), "skipped_steps"}``: plain values and tensors.
+        Apply a pending update first (:meth:`update`; the caller rescales with its ratio)."""
+        if self._update_pending:
+            raise RuntimeError("LossScaler.state_dict() with a scale update pending: call update() first")
         return {
             "mode": self.mode,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},

@@ -59,7 +59,7 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss (``"dynamic"`` loss scaling) before Lightning's backward hooks and the backward."""
-        return super().pre_backward(self.loss_scaler.scale(tensor), module)
+        return super().pre_backward(self._scale_loss(tensor), module)
 
     @override
     def optimizer_step(  # type: ignore[override]

@@ -196,8 +196,12 @@ class FP8StateTable:
         shifted = torch.cat([pending.unsqueeze(-1), history[..., :-1]], dim=-1)
         history.copy_(torch.where(recorded, shifted, history))
         torch._foreach_zero_([t.data for t in self.role_amax_pending])
-        if self.recipe.name != "delayed":
-            return
+        if self.recipe.name == "delayed":
+            self._derive_delayed_scales()
+
+    def _derive_delayed_scales(self) -> None:
+        """``delayed``: every scale from its history (a zero or non-finite reference amax keeps the scale)."""
+        history = self.amax_history.data
         usable = torch.where(torch.isfinite(history), history, torch.zeros_like(history))
         amax_ref = usable.amax(dim=-1) if self.recipe.amax_compute_algo == "max" else usable[..., 0]
         new_scale = amax_to_scale(amax_ref, self._role_max(), self.recipe.margin, self.recipe.round_to_power_of_2)
@@ -211,12 +215,15 @@ class FP8StateTable:
         """Multiply the grad_output amaxes (history and pending) by ``ratio`` (a device scalar).
 
         With dynamic loss scaling the gradients a layer casts are multiplied by the loss scale; when the scale
-        changes by ``ratio``, the amaxes recorded under the old scale are brought into the new scale's domain,
-        so the ``delayed`` grad_output scale matches the gradients it will be applied to.
+        changes by ``ratio``, the amaxes recorded under the old scale are brought into the new scale's domain and,
+        for ``delayed``, the scales are derived again, so the next grad_output cast fits the gradients it is
+        applied to (input and weight scales come out unchanged: their histories did not move).
         """
         ratio = ratio.to(device=self.device, dtype=torch.float32)
         self.amax_history.data[:, GRAD_OUTPUT].mul_(ratio)  # .data: see roll()
         self.role_amax_pending[GRAD_OUTPUT].data.mul_(ratio)
+        if self.recipe.name == "delayed":
+            self._derive_delayed_scales()
 
     @torch.no_grad()
     def reset_counters(self) -> None:

@@ -2,7 +2,8 @@
 
 On a GPU every dispatched tensor operation of the bookkeeping is a kernel launch, so its count is the cost a
 CPU can measure. Counted under a ``TorchDispatchMode`` around the plugin's per-step bookkeeping
-(``after_optimizer_step``: loss-scale rescale of the grad_output amaxes, the cross-rank reduction, the roll).
+(``after_optimizer_step``: the cross-rank reduction and the roll, and ``apply_loss_scale_update``: the rescale of the
+grad_output amaxes when the loss scale moved, at the start of the next backward).
 """
 
 from __future__ import annotations
@@ -40,24 +41,27 @@ def _bookkeeping_ops(n_layers: int, recipe: str, loss_scaling: str) -> Counter[s
     model = _deep_model(n_layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
-    counted = []
-    original = plugin.after_optimizer_step
+    counted: list[Counter[str]] = []
+    for name in ("after_optimizer_step", "apply_loss_scale_update"):
+        original = getattr(plugin, name)
 
-    def counting(*args, **kwargs):
-        with OpCounter() as counter:
-            original(*args, **kwargs)
-        counted.append(counter.ops)
+        def counting(*args, _original=original, **kwargs):
+            with OpCounter() as counter:
+                _original(*args, **kwargs)
+            counted.append(counter.ops)
 
-    plugin.after_optimizer_step = counting
+        setattr(plugin, name, counting)
     for _ in range(3):
         optimizer.zero_grad()
         fabric.backward(model(torch.randn(4, 32)).float().square().mean())
         optimizer.step()
-    assert len(counted) == 3
+    assert len(counted) == 6  # per step: the loss-scale update at the backward, the bookkeeping after the step
+    if loss_scaling == "dynamic":  # the scale grew at every step: the last backward rescaled the histories
+        assert sum(counted[-2].values()) > 0
     layers = [m for m in model.modules() if isinstance(m, lf.FP8Linear)]
     assert len(layers) == n_layers and len({id(m.fp8_state.table) for m in layers}) == 1
     assert all(int((m.fp8_amax_history[:2] != 0).sum()) == 6 for m in layers)  # every layer rolled every step
-    return counted[-1]
+    return counted[-2] + counted[-1]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])

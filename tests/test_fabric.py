@@ -118,9 +118,10 @@ def test_fabric_non_finite_loss_skips_step(loss_scaling, scale_after):
     optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     plugin = fabric.strategy.precision
-    assert float(plugin.loss_scale) == scale_after and int(plugin.skipped_steps) == 1
+    assert int(plugin.skipped_steps) == 1
     train_steps(fabric, model, optimizer, batches[3:4])
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert float(plugin.loss_scale) == scale_after  # backed off for the backward after the skipped step
 
 
 def test_fabric_lbfgs_is_rejected():
@@ -160,3 +161,71 @@ def test_sharded_parameters_are_rejected():
             plugin.forward_context()
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- loss scaling across several optimizers and models
+
+
+def _two_optimizers_one_backward(loss_scaling):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    plugin = FP8Precision(compute_dtype=torch.float16, loss_scaling=loss_scaling, init_scale=1024.0, growth_interval=1)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    first = torch.optim.SGD(model[0].parameters(), lr=1.0)
+    second = torch.optim.SGD(model[2].parameters(), lr=1.0)
+    wrapped, first, second = fabric.setup(model, first, second)
+    before = model[2].weight.detach().clone()
+    fabric.backward(wrapped(torch.randn(16, 32)).float().square().mean())
+    first.step()
+    second.step()
+    return before - model[2].weight.detach(), plugin
+
+
+def test_two_optimizers_on_one_backward_see_the_same_unscaled_gradients():
+    """The scale grows after every clean step here; the second optimizer used to be unscaled with the grown scale
+    (its update halved). GradScaler.update now runs once per backward."""
+    dynamic, plugin = _two_optimizers_one_backward("dynamic")
+    reference, _ = _two_optimizers_one_backward("off")
+    torch.testing.assert_close(dynamic, reference)
+    assert float(plugin.loss_scale) == 1024.0  # the growth applies from the next backward on
+    assert plugin.state_dict()["loss_scaler"]["scale"] == 2048.0  # a checkpoint saves the updated scale
+
+
+def _gan_grad_output_overflow(growth_interval, share_trunk=False):
+    """Two models on one plugin, delayed + dynamic loss scaling; the overflows of G's (or the trunk's) gradients."""
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh())
+    gen = torch.nn.Sequential(trunk, torch.nn.Linear(64, 32))
+    disc_trunk = trunk if share_trunk else torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh())
+    disc = torch.nn.Sequential(torch.nn.Linear(32, 32), disc_trunk, torch.nn.Linear(64, 16))
+    plugin = FP8Precision(recipe="delayed", compute_dtype=torch.float16, loss_scaling="dynamic", init_scale=1.0,
+                          growth_interval=growth_interval)  # fmt: skip
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=1e-3), torch.optim.SGD(disc.parameters(), lr=1e-3)
+    gen_w, opt_g = fabric.setup(gen, opt_g)
+    disc_w, opt_d = fabric.setup(disc, opt_d)
+    assert len(plugin.state_tables) == len({id(t) for t in plugin.state_tables})
+    z, real = torch.randn(64, 32), torch.randn(64, 32)
+    layer = trunk[0]
+    overflow = 0
+    for _ in range(6):
+        opt_d.zero_grad()
+        fabric.backward((disc_w(real).float() - 1).square().mean() + disc_w(gen_w(z).detach()).float().square().mean())
+        opt_d.step()
+        opt_g.zero_grad()
+        before = int(layer.fp8_counts[2, 2])
+        fabric.backward((disc_w(gen_w(z)).float() - 1).square().mean())
+        overflow += int(layer.fp8_counts[2, 2]) - before
+        opt_g.step()
+    return overflow, plugin
+
+
+@pytest.mark.parametrize("share_trunk", [False, True])
+def test_gan_gradient_scales_follow_the_loss_scale_of_the_other_optimizer(share_trunk):
+    """When D's step moves the loss scale, G's next backward must cast with a delayed scale derived from the
+    rescaled history (it used the stale one: ~8% of G's gradient elements saturated). A trunk shared by both models
+    is rescaled once, not once per model."""
+    moving, plugin = _gan_grad_output_overflow(growth_interval=1, share_trunk=share_trunk)
+    steady, _ = _gan_grad_output_overflow(growth_interval=10**6, share_trunk=share_trunk)
+    assert float(plugin.loss_scale) > 2.0**6  # the scale really moved
+    assert moving == steady, (moving, steady)

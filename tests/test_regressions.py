@@ -241,10 +241,11 @@ def test_delayed_grad_output_history_follows_the_loss_scale():
     for bit, a run whose scale never grows."""
     moving_model, moving = _fit_with_loss_scale(growth_interval=2)
     steady_model, steady = _fit_with_loss_scale(growth_interval=1000)
+    # the loss scale logged after step i is the one backward i used: its update follows the steps before i
     grew = [i for i in range(1, 10) if moving.scales[i] == 2 * moving.scales[i - 1]]
     backed_off = [i for i in range(1, 10) if moving.scales[i] == 0.5 * moving.scales[i - 1]]
-    assert grew and backed_off == [7], moving.scales
-    assert steady.scales[:7] == [2.0**8] * 7 and steady.scales[7] == 2.0**7, steady.scales
+    assert grew and backed_off == [8], moving.scales  # step 7 was skipped: the scale backs off for step 8
+    assert steady.scales[:8] == [2.0**8] * 8 and steady.scales[8] == 2.0**7, steady.scales
     assert moving.overflow == steady.overflow, (moving.overflow, steady.overflow)
     for (name, p), q in zip(moving_model.named_parameters(), steady_model.parameters()):
         assert torch.equal(p, q), name
