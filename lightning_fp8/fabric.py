@@ -45,6 +45,7 @@ nothing of it is inherited.
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Literal
 
@@ -173,9 +174,12 @@ class FP8PrecisionBase(Precision):
         self.reports: list[ConversionReport] = []
         self._tables: list[FP8StateTable] = []
         self._param_owner: dict[int, int] = {}
-        self._optimizer_tables: dict[int, list[FP8StateTable]] = {}
+        self._optimizer_tables: weakref.WeakKeyDictionary[Any, list[FP8StateTable]] = weakref.WeakKeyDictionary()
         self._pending_states: list[dict[str, Any]] = []
+        self._restore_counters = True
+        self._plain_models: list[tuple[nn.Module, ConversionReport]] = []
         self._announced = 0
+        self._announced_plain = 0
 
     # ------------------------------------------------------------------ what Lightning reads
     @property
@@ -219,18 +223,19 @@ class FP8PrecisionBase(Precision):
         """Convert ``module``'s eligible Linear layers to FP8 in place, bind their state, track the model.
 
         Raises:
-            ValueError: if no layer of the model can run in FP8, or for sharded (FSDP) modules.
+            ValueError: for sharded (FSDP) modules. A model with no layer that can run in FP8 is not tracked; if no
+                model set up with the plugin has one, the first forward (Trainer: ``connect``) raises.
         """
         self._check_strategy(module)
         report = convert_to_fp8(
             module, recipe=self.recipe, exclude=self.exclude, skip_unaligned=self.skip_unaligned, log_summary=False
         )
         if not report.fp8_layers:
-            reasons = "; ".join(f"{n or '<root>'}: {why}" for n, why in report.skipped.items()) or "it has no nn.Linear"
-            raise ValueError(
-                "FP8Precision found no layer that can run in FP8 (" + reasons + "). Refusing to train silently in "
-                "high precision: remove the plugin, or adjust `exclude` / `skip_unaligned`."
-            )
+            # Fabric may set up a model with nothing to convert next to FP8 ones (a conv discriminator, a frozen
+            # teacher): it runs in compute_dtype. With no FP8 model at all, the first forward raises (announce).
+            if not any(m is module for m, _ in self._plain_models):
+                self._plain_models.append((module, report))
+            return module
         known = next((i for i, m in enumerate(self.fp8_models) if m is module), None)
         if known is not None:
             self.reports[known] = report
@@ -281,7 +286,28 @@ class FP8PrecisionBase(Precision):
 
     def announce(self) -> None:
         """Log, on rank 0 and once per model, the line that confirms FP8 is active (Trainer: at ``connect``;
-        Fabric: at the first forward, once the models are on their device and wrapped)."""
+        Fabric: at the first forward, once the models are on their device and wrapped).
+
+        Raises:
+            ValueError: if no model set up with the plugin has a layer that can run in FP8 (never train silently
+                in high precision).
+        """
+        if not self.fp8_models and self._plain_models:
+            reasons = "; ".join(
+                f"{n or '<root>'}: {why}" for _, report in self._plain_models for n, why in report.skipped.items()
+            )
+            raise ValueError(
+                "FP8Precision found no layer that can run in FP8 (" + (reasons or "the model has no nn.Linear") + "). "
+                "Refusing to train silently in high precision: remove the plugin, or adjust `exclude` / `skip_unaligned`."
+            )
+        while self._announced_plain < len(self._plain_models):
+            module, report = self._plain_models[self._announced_plain]
+            self._announced_plain += 1
+            why = "; ".join(f"{n or '<root>'}: {w}" for n, w in report.skipped.items()) or "it has no nn.Linear"
+            rank_zero_info(
+                f"lightning_fp8: {type(module).__name__} has no layer that can run in FP8 ({why}); it runs in "
+                f"{self.compute_dtype}"
+            )
         while self._announced < len(self.fp8_models):
             index = self._announced
             self._announced += 1
@@ -300,7 +326,7 @@ class FP8PrecisionBase(Precision):
     def forward_context(self) -> AbstractContextManager:
         """``torch.autocast(compute_dtype)`` plus the FP8 region (layers in eval mode stay in ``compute_dtype``
         when ``fp8_eval=False``)."""
-        if not self.fp8_models:
+        if not self.fp8_models and not self._plain_models:
             return nullcontext()  # not set up yet
         self.announce()
         stack = ExitStack()
@@ -323,7 +349,7 @@ class FP8PrecisionBase(Precision):
         inner = optimizer
         while hasattr(inner, "optimizer") or hasattr(inner, "_optimizer"):  # Fabric / Lightning wrappers
             inner = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer")
-        cached = self._optimizer_tables.get(id(inner))
+        cached = self._optimizer_tables.get(inner)
         if cached is None:
             owners = {
                 self._param_owner[id(p)]
@@ -333,7 +359,7 @@ class FP8PrecisionBase(Precision):
             }
             models = [self.fp8_models[i] for i in sorted(owners)] or self.fp8_models
             cached = [t for m in models for t in state_tables(m)]
-            self._optimizer_tables[id(inner)] = cached
+            self._optimizer_tables[inner] = cached
         return cached
 
     def _scale_loss(self, tensor: Tensor) -> Tensor:
@@ -382,6 +408,7 @@ class FP8PrecisionBase(Precision):
             "loss_scaling": scaler["mode"],
             "loss_scaler": scaler["scaler"],
             "skipped_steps": scaler["skipped_steps"],
+            "world_size": world_size(),
             "models": [fp8_state_dict(model) for model in self.fp8_models],
         }
 
@@ -404,14 +431,19 @@ class FP8PrecisionBase(Precision):
             }
         elif version != PLUGIN_STATE_VERSION:
             raise ValueError(f"Unknown FP8Precision checkpoint state version {version!r}")
-        saved = FP8Recipe.from_dict(state_dict["recipe"])
+        saved = FP8Recipe.from_dict(state_dict["recipe"], legacy=version == 1)
         if saved != self.recipe:
             raise ValueError(
                 f"The checkpoint was trained with FP8 recipe {saved.to_dict()}, but this FP8Precision is configured "
                 f"with {self.recipe.to_dict()}. Resume with the same settings; to switch recipes, load only the model "
                 "weights (they do not depend on the recipe) and start a new run."
             )
-        if len(state_dict["models"]) < len(self.fp8_models):
+        if not state_dict["models"] and self.fp8_models:
+            rank_zero_warn(
+                "FP8Precision: the checkpoint holds no FP8 state (for example, it was saved by the main process of "
+                "strategy='ddp_spawn', which does not train): the FP8 state starts fresh, as from a bf16 checkpoint."
+            )
+        elif len(state_dict["models"]) < len(self.fp8_models):
             raise ValueError(
                 f"The checkpoint holds the FP8 state of {len(state_dict['models'])} model(s), but {len(self.fp8_models)} "
                 "are set up with this FP8Precision."
@@ -422,14 +454,16 @@ class FP8PrecisionBase(Precision):
         if warning:
             rank_zero_warn(f"FP8Precision: {warning}.")
         models = list(state_dict["models"])
-        for model in self.fp8_models:
+        # The counters of a checkpoint are those of the rank that saved it: they continue exactly only where one
+        # rank saved and one rank loads. Otherwise each rank restarts its counters from zero instead of counting
+        # the saving rank twice, or losing the others (FP8Stats takes a new baseline from them).
+        self._restore_counters = state_dict.get("world_size", 1) == 1 and world_size() == 1
+        for model in self.fp8_models[: len(models)]:
             self._load_model_state(model, models.pop(0))
         self._pending_states = models
 
     def _load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        # With several ranks the checkpoint holds the counters of the rank that saved it: each rank restarts its
-        # counters from zero instead of counting that rank twice (FP8Stats takes a new baseline from them).
-        load_fp8_state_dict(model, state, counters=world_size() == 1)
+        load_fp8_state_dict(model, state, counters=self._restore_counters)
 
     @override
     def teardown(self) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch import Tensor, nn
 
 from lightning_fp8 import gemm
@@ -65,24 +66,25 @@ class _LinearCall:
     decision: ForwardDecision
     out_dtype: torch.dtype
 
-    def quantize(self, x: Tensor, spec: CastSpec, record: bool, fixed: Tensor | None = None) -> Quantized:
-        history = spec.scale_source == "history" and fixed is None
-        q = quantize(
-            x,
-            spec,
-            statistics=record,
-            history_scale=self.table.role_scale[spec.role][self.index] if history else None,
-            history_ready=self.table.initialized[self.index, spec.role] if history else None,
-            scale=fixed,
-        )
+    def history(self, role: int) -> tuple[Tensor, Tensor]:
+        """``(history scale, history usable)`` of ``role`` in the table (views)."""
+        return self.table.role_scale[role][self.index], self.table.initialized[self.index, role]
+
+    def quantize(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
+        if spec.scale_source == "history" and history is None:
+            history = self.history(spec.role)
+        scale, ready = history if history is not None else (None, None)
+        q = quantize(x, spec, statistics=record, history_scale=scale, history_ready=ready)
         self.record(spec.role, q)
         return q
 
-    def quantize_weight(self, weight: Tensor, spec: CastSpec, record: bool, fixed: Tensor | None) -> Quantized:
+    def quantize_weight(
+        self, weight: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None
+    ) -> Quantized:
         provider = self.layer.weight_provider
-        provided = provider(self.layer, spec) if provider is not None and fixed is None else None
+        provided = provider(self.layer, spec) if provider is not None and history is None else None
         if provided is None:
-            return self.quantize(weight, spec, record, fixed)
+            return self.quantize(weight, spec, record, history)
         if record:
             self.record(spec.role, provided)
         return provided
@@ -133,6 +135,7 @@ class _FP8LinearFn(torch.autograd.Function):
         return out.to(call.out_dtype)
 
     @staticmethod
+    @once_differentiable  # the FP8 GEMMs have no derivative of their own: double backward raises, never drops terms
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         saved_x, x_scale, saved_w, w_scale = ctx.saved_tensors
         call: _LinearCall = ctx.call
@@ -145,7 +148,7 @@ class _FP8LinearFn(torch.autograd.Function):
             go_spec, w_spec = specs.grad_input
             q_go = call.quantize(grad_out, go_spec, record)
             record = False  # grad_output's statistics are recorded once per backward
-            qw = Quantized(saved_w, w_scale, None) if ctx.w_reused else call.quantize_weight(saved_w, w_spec, False, None)
+            qw = Quantized(saved_w, w_scale, None) if ctx.w_reused else call.quantize_weight(saved_w, w_spec, False)
             grad_input = gemm.fp8_mm(
                 q_go.data, _column_major(qw.data), q_go.scale, qw.scale, _gemm_dtype(grad_out.dtype, go_spec)
             ).to(ctx.x_dtype)
@@ -194,10 +197,12 @@ class FP8Linear(FP8Module, nn.Linear):
         dtype: dtype of the parameters, as for ``nn.Linear`` (the FP8 state keeps its own dtypes).
         recipe: an :class:`~lightning_fp8.FP8Recipe` or a recipe name (default ``"tensorwise"``).
 
-    Statistics are recorded only in training mode (``module.training``) and never under
-    ``torch.inference_mode()``; evaluation casts use the current scales and leave the state untouched,
-    so validation never shifts a ``delayed`` scale. An activation-checkpointing recomputation takes the
-    decisions and scales of the original forward and does not record statistics a second time.
+    Statistics are recorded only in training mode (``module.training``, also under ``torch.no_grad()``) and,
+    in eager mode, never under ``torch.inference_mode()`` (a compiled module follows ``module.training``
+    alone); evaluation casts use the current scales and leave the state untouched, so validation never
+    shifts a ``delayed`` scale. An activation-checkpointing recomputation takes the decisions and scales of
+    the original forward and does not record statistics a second time. The backward is not differentiable
+    again (double backward raises).
     """
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
@@ -244,21 +249,25 @@ class FP8Linear(FP8Module, nn.Linear):
         _check_input(input)
         self._check_state_device(self.weight.device)
         device_type = input.device.type
-        autocast = torch.is_autocast_enabled(device_type)
+        # autocast casts every floating input of a linear but float64 ones (as for nn.Linear)
+        autocast = torch.is_autocast_enabled(device_type) and input.dtype != torch.float64
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else input.dtype
-        specs = table.recipe.cast_specs()
+        specs = table.specs
         x2d = input.reshape(-1, self.in_features)
         if autocast and not specs.grad_weight[1].same_cast(specs.forward[0]):
             x2d = x2d.to(out_dtype)  # the input is saved for backward: keep what nn.Linear under autocast keeps
         x2d = x2d.contiguous()
         call = _LinearCall(self, table, index, specs, decision, out_dtype)
         x_spec, w_spec = specs.forward
-        qx = call.quantize(x2d, x_spec, decision.record_forward, decision.scale_of(INPUT))
-        qw = call.quantize_weight(self.weight, w_spec, decision.record_forward, decision.scale_of(WEIGHT))
+        capture = not torch.compiler.is_compiling() and not in_recomputation()
+        if specs.history_scaled and capture:  # what a recomputation must replay, taken before any roll can move it
+            history = tuple((s.role, *(t.clone() for t in call.history(s.role))) for s in (x_spec, w_spec))
+            decision = dataclasses.replace(decision, history=history)
+        qx = call.quantize(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
+        qw = call.quantize_weight(self.weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
         out = _FP8LinearFn.apply(x2d, self.weight, qx.data, qx.scale, qw.data, qw.scale, call)
-        if not torch.compiler.is_compiling() and not in_recomputation():
-            used = tuple((s.role, q.scale) for s, q in ((x_spec, qx), (w_spec, qw)) if s.scale_source == "history")
-            self._fp8_decision = dataclasses.replace(decision, scales=used)
+        if capture:
+            self._fp8_decision = decision
         out = out.reshape(*input.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -66,7 +66,6 @@ amax history), the margin and the power-of-two rounding. Two uses of a tensor wi
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -230,17 +229,23 @@ class FP8Recipe:
 
     def cast_specs(self) -> LinearCastSpecs:
         """The :class:`CastSpec` of each operand of the three GEMMs of a linear layer (see the module docstring)."""
-        return _cast_specs(self)
+        specs = _CAST_SPECS.get(self)
+        if specs is None:
+            specs = _CAST_SPECS[self] = _cast_specs(self)
+        return specs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-value form (defaults resolved), stored next to the FP8 state so a mismatched checkpoint is detected."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> FP8Recipe:
-        """Inverse of ``to_dict()``; also reads the form written by lightning-fp8 0.1 (which stored the
-        settings a recipe ignored, such as ``amax_compute_algo`` for ``tensorwise``)."""
+    def from_dict(cls, values: dict[str, Any], legacy: bool = False) -> FP8Recipe:
+        """Inverse of ``to_dict()``. With ``legacy=True``, reads the form written by lightning-fp8 0.1, which stored
+        the settings a recipe ignored (such as ``amax_compute_algo`` for ``tensorwise``) and always rounded
+        ``rowwise`` scales to powers of two."""
         values = dict(values)
+        if not legacy:
+            return cls(**values)
         name = values.get("name", "tensorwise")
         if name != "delayed":
             values["amax_compute_algo"] = None
@@ -251,7 +256,9 @@ class FP8Recipe:
         return cls(**values)
 
 
-@functools.lru_cache(maxsize=None)
+_CAST_SPECS: dict[FP8Recipe, LinearCastSpecs] = {}
+
+
 def _cast_specs(recipe: FP8Recipe) -> LinearCastSpecs:
     dtype = recipe.dtype
     pow2 = recipe.round_to_power_of_2

@@ -102,20 +102,21 @@ class ForwardDecision:
         record_forward: the forward's casts record statistics (training mode, outside ``inference_mode``,
             not a recomputation).
         record_backward: the backward's casts record statistics.
-        scales: for history-scaled operands, the scales the forward used, by role (a recomputation
-            must quantize with exactly these, whatever the history did since).
+        history: for history-scaled operands, by role, the history scale and whether the history was usable,
+            as the forward saw them: a recomputation casts with exactly these, whatever the history did since
+            (and, where the history was not usable, with the current amax of its own input, as the forward did).
     """
 
     enabled: bool
     record_forward: bool = False
     record_backward: bool = False
-    scales: tuple[tuple[int, torch.Tensor], ...] = ()
+    history: tuple[tuple[int, torch.Tensor, torch.Tensor], ...] = ()
 
-    def scale_of(self, role: int) -> torch.Tensor | None:
-        """The captured scale of ``role``, if any."""
-        for r, scale in self.scales:
+    def history_of(self, role: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(history scale, history usable)`` captured for ``role``, if any."""
+        for r, scale, ready in self.history:
             if r == role:
-                return scale
+                return scale, ready
         return None
 
 

@@ -81,6 +81,8 @@ class FP8StateTable:
 
     def __init__(self, recipe: FP8Recipe, num_layers: int = 1, device: torch.device | str | None = None) -> None:
         self.recipe = recipe
+        #: The recipe's cast specs (layers read them here on every forward).
+        self.specs = recipe.cast_specs()
         self._fp8_max: Tensor | None = None  # per-role fp8_max, (3,) float64 on the device, built lazily
         self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))
 
@@ -404,7 +406,7 @@ def _upgrade(state: Any) -> dict[str, Any]:
         raise ValueError(f"Unknown FP8 state format (expected version {STATE_FORMAT_VERSION} or 1, got {version})")
     groups: dict[FP8Recipe, list[tuple[str, dict[str, Any]]]] = {}
     for name, entry in state["layers"].items():
-        groups.setdefault(FP8Recipe.from_dict(entry["recipe"]), []).append((name, entry))
+        groups.setdefault(FP8Recipe.from_dict(entry["recipe"], legacy=True), []).append((name, entry))
     tables = []
     for recipe, entries in groups.items():
         table: dict[str, Any] = {"recipe": recipe.to_dict(), "layers": [name for name, _ in entries]}
@@ -470,6 +472,7 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = 
                 values = saved[name].index_select(0, src_index)
                 if name == "counts" and not counters:
                     values = torch.zeros_like(values)
-                elif name == "counts_epoch" and not counters:
-                    values = values + 1
+                elif name == "counts_epoch" and not counters:  # differs from the saved and the current epoch
+                    current = table.counts_epoch.index_select(0, dst_index).to(values.device)
+                    values = torch.maximum(values, current) + 1
                 table.set_rows(name, dst_index, values)

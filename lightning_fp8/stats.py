@@ -240,6 +240,8 @@ class FP8Stats:
             last = self.last_counts.get(name, zeros)
             if self.last_epoch.get(name, layer.counts_epoch) != layer.counts_epoch:
                 last = zeros  # the counters restarted from zero since the baseline (a multi-rank resume)
+            elif any(now < before for role_now, role_before in zip(layer.counts, last) for now, before in zip(role_now, role_before)):
+                last = layer.counts  # counters that went back (an older state loaded in place): a new baseline
             total = self.total_counts.setdefault(name, [[0.0] * _N_COUNTS for _ in ROLES])
             for r, role in enumerate(ROLES):
                 prefix = f"fp8/{name}/{role}"

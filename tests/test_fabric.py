@@ -229,3 +229,55 @@ def test_gan_gradient_scales_follow_the_loss_scale_of_the_other_optimizer(share_
     steady, _ = _gan_grad_output_overflow(growth_interval=10**6, share_trunk=share_trunk)
     assert float(plugin.loss_scale) > 2.0**6  # the scale really moved
     assert moving == steady, (moving, steady)
+
+
+def test_a_model_without_fp8_layers_next_to_an_fp8_one(caplog):
+    """A conv discriminator or a frozen teacher next to an FP8 student: it runs in compute_dtype, with one log line.
+    Only when no model set up with the plugin has an FP8 layer does the first forward refuse to train."""
+    import logging
+
+    plugin = FP8Precision()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    teacher = fabric.setup(torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3), torch.nn.Flatten(), torch.nn.Linear(56, 1)))
+    student = fabric.setup(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)))
+    with caplog.at_level(logging.INFO):
+        assert teacher(torch.randn(2, 4, 16)).shape == (2, 1)
+        student(torch.randn(2, 16))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning_fp8:")]
+    assert any("Sequential has no layer that can run in FP8" in line and "not both multiples of 16" in line for line in lines)
+    assert any("2 Linear layer(s) in FP8" in line for line in lines)
+    assert len(plugin.fp8_models) == 1 and isinstance(student.module[0], lf.FP8Linear)
+
+    alone = FP8Precision()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[alone])
+    model = fabric.setup(torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3)))
+    with pytest.raises(ValueError, match="no layer that can run in FP8.*Refusing to train silently"):
+        model(torch.randn(2, 4, 16))
+
+
+def test_checkpoint_without_fp8_state_starts_fresh_with_a_warning():
+    """strategy='ddp_spawn' saves from the main process, which never trains: its plugin state holds no model."""
+    source = FP8Precision()  # never set up
+    state = source.state_dict()
+    assert state["models"] == []
+    plugin = FP8Precision()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    fabric.setup(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    with pytest.warns(UserWarning, match="holds no FP8 state"):
+        plugin.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"recipe": "rowwise", "power_of_2_scale": False}, {"recipe": "delayed", "margin": 2, "amax_compute_algo": "most_recent"},
+     {"recipe": "tensorwise", "fp8_format": "e4m3", "power_of_2_scale": True}],
+)  # fmt: skip
+def test_every_recipe_setting_resumes_from_its_own_checkpoint(kwargs):
+    states = []
+    for _ in range(2):
+        plugin = FP8Precision(**kwargs)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+        model(torch.randn(4, 16))
+        states.append((plugin, plugin.state_dict()))
+    states[1][0].load_state_dict(states[0][1])

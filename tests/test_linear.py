@@ -313,6 +313,20 @@ def test_grads_when_only_one_operand_needs_them(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_output_dtype_under_autocast_is_nn_linear_s(recipe, dtype):
+    """Autocast casts float32 and float16 inputs of a linear to its dtype, never float64 ones."""
+    lin = nn.Linear(32, 16).to(dtype)
+    fp8 = copy.deepcopy(lin)
+    lf.convert_to_fp8(fp8, recipe=recipe)
+    x = torch.randn(4, 32, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = lin(x).dtype
+        with lf.fp8_autocast():
+            assert fp8(x).dtype == expected
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_low_and_high_precision_parameters(recipe, dtype):
     m = FP8Linear(32, 16, recipe=recipe).to(dtype)
@@ -726,3 +740,44 @@ def test_moving_a_single_layer_of_a_shared_table_is_a_clear_error():
     with pytest.raises(RuntimeError, match="move the whole model"):
         with lf.fp8_autocast():
             model[1](torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_a_layer_called_twice_before_the_backward(recipe, use_reentrant):
+    """Weight sharing (a siamese encoder): both calls of the checkpointed block are recomputed in the backward. With
+    `delayed` on a step whose history is empty, each call's scale comes from its own input; the recomputation of the
+    first call used the second call's (11% error in the input gradient)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    lf.convert_to_fp8(plain, recipe=recipe)
+    ckpt = copy.deepcopy(plain)
+    for step in range(3):
+        x1, x2 = torch.randn(8, 32), 10 * torch.randn(8, 32)
+        results = []
+        for model, use_ckpt in ((plain, False), (ckpt, True)):
+            a, b = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+            run = (lambda x: checkpoint(model, x, use_reentrant=use_reentrant)) if use_ckpt else model
+            with lf.fp8_autocast(defer_amax_history_roll=True):
+                y1, y2 = run(a), run(b)
+            (y1.square().sum() + y2.square().sum()).backward()
+            lf.roll_amax_history(model)
+            results.append([a.grad, b.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        assert all(torch.equal(u, v) for u, v in zip(*results)), step
+        assert _same_buffers(_buffers(plain), _buffers(ckpt)), step
+
+
+def test_double_backward_is_an_error_not_a_silent_zero():
+    """A gradient penalty (WGAN-GP, R1) differentiates the gradient again. The FP8 GEMMs have no second derivative:
+    their terms were silently dropped; now the second backward raises."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    lf.convert_to_fp8(model)
+    x = torch.randn(8, 32, requires_grad=True)
+    with lf.fp8_autocast():
+        y = model(x)
+    (grad,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.square().sum().backward()

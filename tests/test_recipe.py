@@ -60,10 +60,20 @@ def test_from_dict_reads_what_version_0_1_wrote():
     """0.1 stored every field for every recipe, including those the recipe ignored."""
     old = {"name": "tensorwise", "fp8_format": "hybrid", "amax_history_len": 16, "amax_compute_algo": "max",
            "margin": 2, "power_of_2_scale": False}  # fmt: skip
-    assert FP8Recipe.from_dict(old) == FP8Recipe()
+    assert FP8Recipe.from_dict(old, legacy=True) == FP8Recipe()
     old_rowwise = {**old, "name": "rowwise", "margin": 0}
-    assert FP8Recipe.from_dict(old_rowwise) == FP8Recipe(name="rowwise")
-    assert FP8Recipe.from_dict(FP8Recipe(name="delayed", margin=1).to_dict()) == FP8Recipe(name="delayed", margin=1)
+    assert FP8Recipe.from_dict(old_rowwise, legacy=True) == FP8Recipe(name="rowwise")
+    with pytest.raises(ValueError, match="margin"):
+        FP8Recipe.from_dict(old)  # not a 0.1 dict: the ignored margin is an error
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [FP8Recipe(), FP8Recipe(name="delayed", margin=1, amax_compute_algo="most_recent"), FP8Recipe(name="rowwise"),
+     FP8Recipe(name="rowwise", power_of_2_scale=False), FP8Recipe(fp8_format="e4m3", power_of_2_scale=True)],
+)  # fmt: skip
+def test_to_dict_round_trips(recipe):
+    assert FP8Recipe.from_dict(recipe.to_dict()) == recipe
 
 
 @pytest.mark.parametrize(

@@ -128,3 +128,48 @@ def test_snapshot_is_constant_work_per_table():
         return counter.n
 
     assert ops(4) == ops(64)
+
+
+def test_counters_loaded_back_in_time_give_a_new_baseline_not_negative_fractions():
+    """Loading an older FP8 state into a running job sets the counters back: the next interval must not be negative,
+    and the totals must not shrink."""
+    model = _model()
+    stats = FP8Stats(model)
+    _steps(model, 1)
+    old = lf.fp8_state_dict(model)
+    _steps(model, 3, scale=100.0)
+    stats.metrics()
+    totals = [list(role) for role in stats.total_counts["0"]]
+    lf.load_fp8_state_dict(model, old)
+    metrics = stats.metrics()
+    assert "fp8/0/input/overflow_frac" not in metrics  # no interval to report: the counters went back
+    assert stats.total_counts["0"] == totals
+    _steps(model, 1)
+    assert 0 <= stats.metrics()["fp8/0/input/overflow_frac"] <= 1
+
+
+def test_plugin_restores_counters_only_from_a_single_rank_checkpoint():
+    """A checkpoint written by 2 ranks holds one rank's counters: resumed on 1 device they restart from zero (with a
+    new counts_epoch), so the statistics re-baseline instead of dropping the other rank's counts."""
+    def fitted():
+        plugin = FP8Precision(recipe="delayed")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = fabric.setup(nn.Sequential(nn.Linear(32, 32)))
+        with plugin.forward_context():
+            model(torch.randn(4, 32))
+        return plugin, model
+
+    plugin, model = fitted()
+    state = plugin.state_dict()
+    assert state["world_size"] == 1
+    counts = model.module[0].fp8_counts.clone()
+    for world, restored in ((1, True), (2, False)):
+        fresh, fresh_model = fitted()
+        epoch_before = int(fresh_model.module[0].fp8_state.table.counts_epoch[0])
+        fresh.load_state_dict({**state, "world_size": world})
+        layer = fresh_model.module[0]
+        epoch = int(layer.fp8_state.table.counts_epoch[0])
+        if restored:
+            assert torch.equal(layer.fp8_counts, counts) and epoch == 0
+        else:
+            assert int(layer.fp8_counts.sum()) == 0 and epoch == max(0, epoch_before) + 1
