@@ -30,7 +30,6 @@ sharded FP8 weight gathered in FP8 does this); ``None`` from it, or no provider,
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -124,8 +123,7 @@ class _FP8LinearFn(torch.autograd.Function):
         )
         # Save only what the needed gradients use: x (or its FP8 copy) for grad_weight, W for grad_input.
         need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_reused = specs.grad_weight[1].same_cast(x_spec)
-        w_reused = specs.grad_input[1].same_cast(w_spec)
+        x_reused, w_reused = specs.input_reused, specs.weight_reused
         saved_x = (x_data if x_reused else x2d) if need_weight_grad else None
         saved_w = (w_data if w_reused else weight) if need_input_grad else None
         ctx.save_for_backward(saved_x, x_scale if x_reused else None, saved_w, w_scale if w_reused else None)
@@ -154,7 +152,7 @@ class _FP8LinearFn(torch.autograd.Function):
             ).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             go_spec, x_spec = specs.grad_weight
-            if q_go is None or not go_spec.same_cast(specs.grad_input[0]):
+            if q_go is None or not specs.grad_output_reused:
                 q_go = call.quantize(grad_out, go_spec, record)
             qx = Quantized(saved_x, x_scale, None) if ctx.x_reused else call.quantize(saved_x, x_spec, False)
             grad_weight = gemm.fp8_mm(
@@ -233,15 +231,18 @@ class FP8Linear(FP8Module, nn.Linear):
 
     def forward(self, input: Tensor) -> Tensor:
         table, index = self.fp8_state.table, self.fp8_state.index
-        if in_recomputation():
+        recomputing = in_recomputation()
+        # What a recomputation replays is captured in eager forwards (a compiled graph recomputes by itself).
+        capture = not recomputing and not torch.compiler.is_compiling()
+        if recomputing:
             # An activation-checkpointing recomputation (usually outside the region, maybe on an autograd
             # thread) replays the original forward's decision: same path, same scales, no statistics again.
             original = self._fp8_decision or ForwardDecision(enabled=False)
-            decision = dataclasses.replace(original, record_forward=False)
+            decision = original._replace(record_forward=False)
         else:
             decision = decide(self, table)
         if not decision.enabled or input.numel() == 0:  # nothing to quantize in an empty batch
-            if not torch.compiler.is_compiling() and not in_recomputation():
+            if capture:
                 self._fp8_decision = decision
             if decision.enabled:
                 _check_input(input)
@@ -254,19 +255,21 @@ class FP8Linear(FP8Module, nn.Linear):
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else input.dtype
         specs = table.specs
         x2d = input.reshape(-1, self.in_features)
-        if autocast and not specs.grad_weight[1].same_cast(specs.forward[0]):
+        if autocast and not specs.input_reused:
             x2d = x2d.to(out_dtype)  # the input is saved for backward: keep what nn.Linear under autocast keeps
         x2d = x2d.contiguous()
         call = _LinearCall(self, table, index, specs, decision, out_dtype)
         x_spec, w_spec = specs.forward
-        capture = not torch.compiler.is_compiling() and not in_recomputation()
-        if specs.history_scaled and capture:  # what a recomputation must replay, taken before any roll can move it
-            history = tuple((s.role, *(t.clone() for t in call.history(s.role))) for s in (x_spec, w_spec))
-            decision = dataclasses.replace(decision, history=history)
+        if capture and specs.history_scaled:
+            # What a recomputation must replay, taken before any roll can move it: whether each history was usable
+            # (one copy of the input and weight flags) and the scale each cast used (a new tensor already).
+            ready = table.initialized[index, :2].clone()
         qx = call.quantize(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
         qw = call.quantize_weight(self.weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
         out = _FP8LinearFn.apply(x2d, self.weight, qx.data, qx.scale, qw.data, qw.scale, call)
         if capture:
+            if specs.history_scaled:
+                decision = decision._replace(history=((INPUT, WEIGHT), (qx.scale, qw.scale), ready))
             self._fp8_decision = decision
         out = out.reshape(*input.shape[:-1], self.out_features)
         if self.bias is not None:

@@ -140,16 +140,32 @@ class CastSpec:
 
 @dataclass(frozen=True)
 class LinearCastSpecs:
-    """The cast specs of the six operands of a linear layer's three GEMMs (``(a, b)`` of ``a @ b``)."""
+    """The cast specs of the six operands of a linear layer's three GEMMs (``(a, b)`` of ``a @ b``).
+
+    Derived once (the layers read them on every forward): ``history_scaled`` (some operand takes its scale from
+    the amax history), ``input_reused`` / ``weight_reused`` (the backward casts the input / weight as the
+    forward did, so the forward's FP8 copy serves it), ``grad_output_reused`` (both backward GEMMs cast the
+    gradient the same way).
+    """
 
     forward: tuple[CastSpec, CastSpec]  # input (M, K), weight (N, K)
     grad_input: tuple[CastSpec, CastSpec]  # grad_output (M, N), weight (N, K)
     grad_weight: tuple[CastSpec, CastSpec]  # grad_output (M, N), input (M, K)
+    history_scaled: bool = dataclasses.field(init=False)
+    input_reused: bool = dataclasses.field(init=False)
+    weight_reused: bool = dataclasses.field(init=False)
+    grad_output_reused: bool = dataclasses.field(init=False)
 
-    @property
-    def history_scaled(self) -> bool:
-        """Whether any operand takes its scale from the amax history (the scales then depend on the state)."""
-        return any(spec.scale_source == "history" for pair in (self.forward, self.grad_input, self.grad_weight) for spec in pair)
+    def __post_init__(self) -> None:
+        pairs = (self.forward, self.grad_input, self.grad_weight)
+        derived = {
+            "history_scaled": any(spec.scale_source == "history" for pair in pairs for spec in pair),
+            "input_reused": self.grad_weight[1].same_cast(self.forward[0]),
+            "weight_reused": self.grad_input[1].same_cast(self.forward[1]),
+            "grad_output_reused": self.grad_weight[0].same_cast(self.grad_input[0]),
+        }
+        for key, value in derived.items():
+            object.__setattr__(self, key, value)
 
 
 @dataclass(frozen=True)

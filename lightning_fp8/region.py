@@ -23,7 +23,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -93,30 +93,36 @@ def is_fp8_autocast_enabled() -> bool:
     return region is not None and region.enabled
 
 
-@dataclass(frozen=True)
-class ForwardDecision:
+class ForwardDecision(NamedTuple):
     """What an FP8 layer decided for one forward, replayed by an activation-checkpointing recomputation.
+
+    A ``NamedTuple``: one is built per layer and forward, so it must be cheap.
 
     Attributes:
         enabled: the layer computes in FP8 (else it is its high-precision original).
         record_forward: the forward's casts record statistics (training mode, outside ``inference_mode``,
             not a recomputation).
         record_backward: the backward's casts record statistics.
-        history: for history-scaled operands, by role, the history scale and whether the history was usable,
-            as the forward saw them: a recomputation casts with exactly these, whatever the history did since
-            (and, where the history was not usable, with the current amax of its own input, as the forward did).
+        history: for history-scaled operands, ``(roles, scales, ready)``: the scale each role's cast used and a
+            tensor of flags, indexed by role, saying whether that history was usable. A recomputation casts with
+            exactly that scale where the history was usable, whatever it did since, and otherwise, as the forward
+            did, with the current amax of its own input.
     """
 
     enabled: bool
     record_forward: bool = False
     record_backward: bool = False
-    history: tuple[tuple[int, torch.Tensor, torch.Tensor], ...] = ()
+    history: tuple[tuple[int, ...], tuple[torch.Tensor, ...], torch.Tensor] | None = None
 
     def history_of(self, role: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(history scale, history usable)`` captured for ``role``, if any."""
-        for r, scale, ready in self.history:
+        """``(scale used, history usable)`` captured for ``role``, if any (``quantize`` takes them as the history
+        scale and its readiness)."""
+        if self.history is None:
+            return None
+        roles, scales, ready = self.history
+        for r, scale in zip(roles, scales):
             if r == role:
-                return scale, ready
+                return scale, ready[role]
         return None
 
 
