@@ -174,9 +174,10 @@ class FP8PrecisionBase(Precision):
         self.reports: list[ConversionReport] = []
         self._tables: list[FP8StateTable] = []
         self._param_owner: dict[int, int] = {}
-        self._optimizer_tables: weakref.WeakKeyDictionary[Any, list[FP8StateTable]] = weakref.WeakKeyDictionary()
+        self._optimizer_tables: weakref.WeakKeyDictionary[Any, tuple[int, list[FP8StateTable]]] = weakref.WeakKeyDictionary()
         self._pending_states: list[dict[str, Any]] = []
         self._restore_counters = True
+        self._load_ratio: float | None = None
         self._plain_models: list[tuple[nn.Module, ConversionReport]] = []
         self._announced = 0
         self._announced_plain = 0
@@ -345,22 +346,26 @@ class FP8PrecisionBase(Precision):
             )
 
     def _tables_of(self, optimizer: Any) -> list[FP8StateTable]:
-        """The state tables of the models whose parameters ``optimizer`` updates (all, if it updates none)."""
+        """The state tables of the models whose parameters ``optimizer`` updates. An optimizer over the parameters of
+        no set-up model (a model wrapped in a way that replaced its parameters) rolls every table; one over a model
+        without FP8 layers rolls none."""
         inner = optimizer
         while hasattr(inner, "optimizer") or hasattr(inner, "_optimizer"):  # Fabric / Lightning wrappers
             inner = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer")
+        groups = getattr(inner, "param_groups", [])
+        size = sum(len(group["params"]) for group in groups)  # add_param_group() invalidates the cache
         cached = self._optimizer_tables.get(inner)
-        if cached is None:
-            owners = {
-                self._param_owner[id(p)]
-                for group in getattr(inner, "param_groups", [])
-                for p in group["params"]
-                if id(p) in self._param_owner
-            }
-            models = [self.fp8_models[i] for i in sorted(owners)] or self.fp8_models
-            cached = [t for m in models for t in state_tables(m)]
-            self._optimizer_tables[inner] = cached
-        return cached
+        if cached is None or cached[0] != size:
+            params = [p for group in groups for p in group["params"]]
+            owners = {self._param_owner[id(p)] for p in params if id(p) in self._param_owner}
+            if owners:
+                models = [self.fp8_models[i] for i in sorted(owners)]
+            else:
+                plain = {id(p) for m, _ in self._plain_models for p in m.parameters()}
+                models = [] if any(id(p) in plain for p in params) else self.fp8_models
+            tables = list({id(t): t for m in models for t in state_tables(m)}.values())
+            cached = self._optimizer_tables[inner] = (size, tables)
+        return cached[1]
 
     def _scale_loss(self, tensor: Tensor) -> Tensor:
         """The loss to run backward on. The loss-scale update of the previous optimizer steps is applied first
@@ -409,6 +414,7 @@ class FP8PrecisionBase(Precision):
             "loss_scaler": scaler["scaler"],
             "skipped_steps": scaler["skipped_steps"],
             "world_size": world_size(),
+            "model_classes": [type(model).__qualname__ for model in self.fp8_models],
             "models": [fp8_state_dict(model) for model in self.fp8_models],
         }
 
@@ -448,11 +454,20 @@ class FP8PrecisionBase(Precision):
                 f"The checkpoint holds the FP8 state of {len(state_dict['models'])} model(s), but {len(self.fp8_models)} "
                 "are set up with this FP8Precision."
             )
-        warning = self.loss_scaler.load_state_dict(
+        classes = state_dict.get("model_classes") or []
+        current = [type(m).__qualname__ for m in self.fp8_models]
+        if current[: len(classes)] != classes[: len(current)]:
+            raise ValueError(
+                f"The checkpoint holds the FP8 state of models {classes}, in set-up order, but this FP8Precision set up "
+                f"{current}: set the models up in the same order."
+            )
+        warning, ratio = self.loss_scaler.load_state_dict(
             {"mode": state_dict["loss_scaling"], "scaler": state_dict["loss_scaler"], "skipped_steps": state_dict["skipped_steps"]}
         )
         if warning:
             rank_zero_warn(f"FP8Precision: {warning}.")
+        self._load_ratio = None if ratio is None or ratio == 1.0 else ratio
+        self._rescaled: set[int] = set()
         models = list(state_dict["models"])
         # The counters of a checkpoint are those of the rank that saved it: they continue exactly only where one
         # rank saved and one rank loads. Otherwise each rank restarts its counters from zero instead of counting
@@ -464,6 +479,12 @@ class FP8PrecisionBase(Precision):
 
     def _load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         load_fp8_state_dict(model, state, counters=self._restore_counters)
+        if self._load_ratio is not None:  # the gradients were recorded under another loss scale than the new one
+            ratio = torch.tensor(self._load_ratio, dtype=torch.float32)
+            for table in state_tables(model):
+                if id(table) not in self._rescaled:  # a table shared by two models is rescaled once
+                    self._rescaled.add(id(table))
+                    table.rescale_grad_output(ratio)
 
     @override
     def teardown(self) -> None:

@@ -23,9 +23,12 @@ Outside an enabled :func:`~lightning_fp8.fp8_autocast` region (and for an empty 
 exactly ``nn.Linear``.
 
 The weight provider seam: ``layer.weight_provider`` (default ``None``) may be set to a callable
-``(layer, spec) -> Quantized | None`` that hands over an already-quantized weight for a cast spec (a
-sharded FP8 weight gathered in FP8 does this); ``None`` from it, or no provider, quantizes
-``layer.weight`` here. A provided weight's statistics are recorded as if the layer had cast it.
+``(layer, spec, history) -> Quantized | None`` that hands over an already-quantized weight for a cast spec
+(a sharded FP8 weight gathered in FP8 does this). For a history-scaled spec, ``history`` is ``(scale,
+usable)``: the provider must cast with ``scale`` where ``usable`` is true, else with the weight's current
+amax, as :func:`~lightning_fp8.quantize.quantize` does (an activation-checkpointing recomputation passes the
+forward's values). ``None`` from it, or no provider, quantizes ``layer.weight`` here. A provided weight's
+statistics are recorded as if the layer had cast it.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from lightning_fp8.recipe import E4M3, E5M2, INPUT, WEIGHT, CastSpec, FP8Recipe,
 from lightning_fp8.region import ForwardDecision, decide, in_recomputation
 from lightning_fp8.state import FP8StateTable
 
-#: ``(layer, spec) -> Quantized | None``: see the module docstring.
-WeightProvider = Callable[[nn.Module, CastSpec], "Quantized | None"]
+#: ``(layer, spec, history) -> Quantized | None``: see the module docstring.
+WeightProvider = Callable[[nn.Module, CastSpec, "tuple[Tensor, Tensor] | None"], "Quantized | None"]
 
 
 def _column_major(x: Tensor) -> Tensor:
@@ -81,7 +84,9 @@ class _LinearCall:
         self, weight: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None
     ) -> Quantized:
         provider = self.layer.weight_provider
-        provided = provider(self.layer, spec) if provider is not None and history is None else None
+        if spec.scale_source == "history" and history is None:
+            history = self.history(spec.role)
+        provided = provider(self.layer, spec, history) if provider is not None else None
         if provided is None:
             return self.quantize(weight, spec, record, history)
         if record:
@@ -232,8 +237,12 @@ class FP8Linear(FP8Module, nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         table, index = self.fp8_state.table, self.fp8_state.index
         recomputing = in_recomputation()
-        # What a recomputation replays is captured in eager forwards (a compiled graph recomputes by itself).
-        capture = not recomputing and not torch.compiler.is_compiling()
+        # What a recomputation replays is captured in eager forwards (a compiled graph recomputes by itself) that
+        # can be recomputed: with gradients, or in training mode (a reentrant checkpoint's forward runs without).
+        # An evaluation pass between a forward and its backward must not replace the decision.
+        capture = (
+            not recomputing and not torch.compiler.is_compiling() and (self.training or torch.is_grad_enabled())
+        )
         if recomputing:
             # An activation-checkpointing recomputation (usually outside the region, maybe on an autograd
             # thread) replays the original forward's decision: same path, same scales, no statistics again.

@@ -183,16 +183,29 @@ class LossScaler:
             "skipped_steps": self.skipped_steps.detach().clone(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> str | None:
-        """Restore :meth:`state_dict`. Returns a warning text when the saved mode differs (the scale then starts
-        fresh: a scale saved in one mode means nothing in another)."""
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[str | None, float | None]:
+        """Restore :meth:`state_dict`; whatever the step in progress had pending is dropped (an in-place reload).
+
+        Returns ``(warning, ratio)``. When the saved mode differs, a scale saved in one mode means nothing in
+        another: the scaler starts fresh, ``warning`` says so, and ``ratio`` is ``new scale / saved scale``, by
+        which amaxes recorded under the saved scale (the grad_output histories) must be multiplied.
+        """
         self.skipped_steps = state["skipped_steps"].detach().clone().to(self.skipped_steps.device)
+        self._update_pending, self._stepped = False, None
+        if self.scaler is not None:  # fresh per-optimizer stages and inf checks, as after GradScaler.update()
+            self.scaler._per_optimizer_states.clear()
         saved_mode = state.get("mode")
         if saved_mode != self.mode:
-            return (
-                f"the checkpoint's loss scaling mode is {saved_mode!r} but this FP8Precision uses {self.mode!r}: "
-                "the loss scaler starts fresh"
+            saved_scale = float(state["scaler"]["scale"]) if state["scaler"] else 1.0
+            if self.scaler is not None:
+                self.scaler = torch.amp.GradScaler(self.scaler._device, **self._settings)
+            new_scale = self._settings["init_scale"] if self.scaler is not None else 1.0
+            warning = (
+                f"the checkpoint's loss scaling mode is {saved_mode!r} but this FP8Precision uses {self.mode!r}: the "
+                f"loss scaler starts fresh (scale {new_scale:g}; the checkpoint's was {saved_scale:g}, and the gradient "
+                "amax histories are rescaled to match)"
             )
+            return warning, new_scale / saved_scale
         if self.scaler is not None and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        return None
+        return None, None

@@ -68,7 +68,7 @@ def fp8_region(enabled: bool = True, *, defer_amax_history_roll: bool = False, f
     finally:
         _REGIONS.stack.pop()
         if not defer:
-            for table in {id(t): t for t in region.tables}.values():
+            for table in region.tables:
                 table.roll()
 
 
@@ -154,5 +154,6 @@ def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
     record = module.training and not in_inference_mode()
     outermost = _REGIONS.stack[0]
     if record and not outermost.defer_amax_history_roll:  # evaluation never moves the state, not even a roll
-        outermost.tables.append(table)
+        if all(t is not table for t in outermost.tables):  # a long region stays small: one entry per table
+            outermost.tables.append(table)
     return ForwardDecision(enabled=True, record_forward=record, record_backward=record)

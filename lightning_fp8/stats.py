@@ -92,12 +92,15 @@ class _Block:
     names: list[tuple[int, str]]  # (row, full name) of the rows to report
 
 
-def _label_models(models: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
-    if len(models) == 1:
-        return [("", models[0])]
-    names = [type(m).__name__ for m in models]
-    unique = len(set(names)) == len(names)
-    return [((name if unique else str(i)) + ".", m) for i, (name, m) in enumerate(zip(names, models))]
+def _plausible_interval(now: list[list[float]], before: list[list[float]]) -> bool:
+    """Whether ``now - before`` can be the counts of one interval: no counter went back, and no more overflows than
+    elements seen or underflows than non-zero elements. (Counters set back by loading an older state in place may
+    have grown past the old baseline by the next reading; the second test catches most of those.)"""
+    for role_now, role_before in zip(now, before):
+        delta = [a - b for a, b in zip(role_now, role_before)]
+        if min(delta) < 0 or delta[OVERFLOW] > delta[SEEN] or delta[UNDERFLOW] > delta[NONZERO]:
+            return False
+    return True
 
 
 class FP8Stats:
@@ -118,6 +121,7 @@ class FP8Stats:
         self.layer_names: list[str] = []
         self.fetches = 0  #: device-to-host copies made (one per reading)
         self._kinds: tuple[tuple[Any, ...], Tensor] | None = None
+        self._labels: dict[int, str] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -140,11 +144,28 @@ class FP8Stats:
     def _plugin_value(self, name: str) -> Tensor | None:
         return None if isinstance(self.source, (nn.Module, list, tuple)) else getattr(self.source, name, None)
 
+    def _prefixes(self, models: Sequence[nn.Module]) -> list[str]:
+        """The name prefix of each model: none for a single model; with several, the class name (or the model's
+        index, if class names repeat). A model keeps its prefix once it has one, even if more models come later
+        (metric names, baselines and totals must not change under a running reading)."""
+        if len(models) == 1 and not self._labels:
+            self._labels[id(models[0])] = ""
+            return [""]
+        names = [type(m).__name__ for m in models]
+        unique = len(set(names)) == len(names)
+        prefixes = []
+        for i, (name, model) in enumerate(zip(names, models)):
+            if id(model) not in self._labels:
+                self._labels[id(model)] = (name if unique else str(i)) + "." if (self._labels or len(models) > 1) else ""
+            prefixes.append(self._labels[id(model)])
+        return prefixes
+
     def _blocks(self) -> list[_Block]:
         blocks: dict[int, _Block] = {}
-        for prefix, model in _label_models(self._models()):
+        models = self._models()
+        for prefix, model in zip(self._prefixes(models), models):
             for name, module in fp8_layers(model):
-                full = prefix + name
+                full = prefix + (name or type(module).__name__)
                 if not any(fnmatch.fnmatchcase(full, p) for p in self.include):
                     continue
                 if any(fnmatch.fnmatchcase(full, p) for p in self.exclude):
@@ -240,8 +261,8 @@ class FP8Stats:
             last = self.last_counts.get(name, zeros)
             if self.last_epoch.get(name, layer.counts_epoch) != layer.counts_epoch:
                 last = zeros  # the counters restarted from zero since the baseline (a multi-rank resume)
-            elif any(now < before for role_now, role_before in zip(layer.counts, last) for now, before in zip(role_now, role_before)):
-                last = layer.counts  # counters that went back (an older state loaded in place): a new baseline
+            elif not _plausible_interval(layer.counts, last):
+                last = layer.counts  # counters set back (an older state loaded in place): a new baseline, no interval
             total = self.total_counts.setdefault(name, [[0.0] * _N_COUNTS for _ in ROLES])
             for r, role in enumerate(ROLES):
                 prefix = f"fp8/{name}/{role}"

@@ -281,3 +281,107 @@ def test_every_recipe_setting_resumes_from_its_own_checkpoint(kwargs):
         model(torch.randn(4, 16))
         states.append((plugin, plugin.state_dict()))
     states[1][0].load_state_dict(states[0][1])
+
+
+def _delayed_run(loss_scaling, steps=3, plugin=None, fabric=None, model=None, optimizer=None, **kwargs):
+    if plugin is None:
+        torch.manual_seed(0)
+        plugin = FP8Precision(recipe="delayed", loss_scaling=loss_scaling, **kwargs)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, optimizer = fabric.setup(model, optimizer)
+    for i in range(steps):
+        optimizer.zero_grad()
+        loss = model(torch.randn(8, 32, generator=torch.Generator().manual_seed(i))).float().square().mean()
+        fabric.backward(loss)
+        optimizer.step()
+    return plugin, fabric, model, optimizer
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("dynamic", "skip_nonfinite"), ("skip_nonfinite", "dynamic")])
+def test_resuming_under_another_loss_scaling_mode_rescales_the_gradient_histories(saved, loaded):
+    """The gradient amaxes of a checkpoint were recorded under its loss scale; after a resume under another mode the
+    scale starts fresh, and the histories must follow it (else delayed gradient casts under- or overflow for
+    amax_history_len steps)."""
+    plugin, *_ = _delayed_run(saved, init_scale=2.0**8, growth_interval=2)
+    state = plugin.state_dict()
+    saved_scale = state["loss_scaler"]["scale"]
+    history = state["models"][0]["tables"][0]["amax_history"][:, 2]
+    other, _, model, _ = _delayed_run(loaded, steps=0, init_scale=2.0**8)
+    with pytest.warns(UserWarning, match="starts fresh.*rescaled"):
+        other.load_state_dict(state)
+    new_scale = float(other.loss_scale)
+    assert new_scale == (1.0 if loaded == "skip_nonfinite" else 2.0**8) and saved_scale != new_scale
+    for row, name in enumerate(("0", "2")):
+        got = model.module.get_submodule(name).fp8_amax_history[2]
+        assert torch.equal(got, history[row] * (new_scale / saved_scale)), name
+
+
+def test_reloading_in_place_drops_the_step_in_progress():
+    """fabric.load into the same live plugin (rolling back after a divergence): the scale update pending from the
+    undone steps must not be applied on top of the restored scale."""
+    plugin, fabric, model, optimizer = _delayed_run("dynamic", init_scale=2.0**8, growth_interval=1)
+    state = plugin.state_dict()
+    _delayed_run(None, 2, plugin, fabric, model, optimizer)  # two more steps: an update is pending again
+    plugin.load_state_dict(state)
+    fresh, *_ = _delayed_run("dynamic", steps=0, init_scale=2.0**8, growth_interval=1)
+    fresh.load_state_dict(state)
+    assert float(plugin.loss_scale) == float(fresh.loss_scale) == state["loss_scaler"]["scale"]
+    _delayed_run(None, 1, plugin, fabric, model, optimizer)
+    assert float(plugin.loss_scale) == state["loss_scaler"]["scale"]  # the reloaded scale, no stale update on top
+
+
+def test_models_set_up_in_another_order_are_refused():
+    def setup(first, second):
+        plugin = FP8Precision()
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        for module in (first, second):
+            fabric.setup(module)
+        return plugin
+
+    class Generator(torch.nn.Sequential):
+        pass
+
+    class Critic(torch.nn.Sequential):
+        pass
+
+    state = setup(Generator(torch.nn.Linear(16, 16)), Critic(torch.nn.Linear(16, 16))).state_dict()
+    assert state["model_classes"] == [Generator.__qualname__, Critic.__qualname__]
+    swapped = setup(Critic(torch.nn.Linear(16, 16)), Generator(torch.nn.Linear(16, 16)))
+    with pytest.raises(ValueError, match="same order"):
+        swapped.load_state_dict(state)
+
+
+def test_an_optimizer_that_gains_parameters_rolls_their_model_too():
+    """The optimizer -> tables lookup is cached: add_param_group() must refresh it (else B's history never rolls)."""
+    plugin = FP8Precision(recipe="delayed")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    a, b = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.nn.Sequential(torch.nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(a.parameters(), lr=0.01)
+    wa, optimizer = fabric.setup(a, optimizer)
+    wb = fabric.setup(b)
+
+    def step():
+        optimizer.zero_grad()
+        fabric.backward((wa(torch.randn(4, 16)) + wb(torch.randn(4, 16))).float().square().mean())
+        optimizer.step()
+
+    step()
+    assert int((b[0].fp8_amax_history != 0).sum()) == 0  # not updated by this optimizer: not rolled
+    optimizer.add_param_group({"params": list(b.parameters())})
+    step()
+    assert int((b[0].fp8_amax_history[:2] != 0).sum(dim=1).min()) >= 1
+
+
+def test_a_plain_models_optimizer_rolls_no_fp8_table():
+    plugin = FP8Precision(recipe="delayed")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    fp8_model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    plain = torch.nn.Sequential(torch.nn.Conv1d(16, 16, 1))
+    plain, optimizer = fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.01))
+    optimizer.zero_grad()
+    fabric.backward(plain(fp8_model(torch.randn(4, 16)).unsqueeze(-1)).float().square().mean())
+    optimizer.step()
+    assert int((fp8_model.module[0].fp8_amax_history != 0).sum()) == 0
+    assert bool((fp8_model.module[0].fp8_amax_pending[:2] > 0).all())  # waits for its own optimizer's step

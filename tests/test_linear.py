@@ -668,7 +668,7 @@ def test_state_is_fresh_after_to_empty_from_meta():
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_weight_provider_hands_over_the_quantized_weight(recipe):
+def test_weight_provider_hands_over_the_quantized_weight(recipe):  # delayed: test_weight_provider_under_checkpointing
     """A provider (what an FP8 all-gathered weight will be) replaces the layer's own weight cast; its statistics are
     recorded as if the layer had cast the weight, and ``None`` falls back to the layer's cast."""
     from lightning_fp8.quantize import quantize
@@ -677,8 +677,9 @@ def test_weight_provider_hands_over_the_quantized_weight(recipe):
     reference = copy.deepcopy(layer)
     specs = []
 
-    def provider(module, spec):
+    def provider(module, spec, history):
         specs.append(spec)
+        assert history is None  # current scaling
         return quantize(module.weight, spec)
 
     layer.weight_provider = provider
@@ -689,11 +690,11 @@ def test_weight_provider_hands_over_the_quantized_weight(recipe):
     expected = lf.FP8Recipe(name=recipe).cast_specs()
     assert specs == ([expected.forward[1], expected.grad_input[1]] if recipe == "rowwise" else [expected.forward[1]])
 
-    layer.weight_provider = lambda module, spec: None  # nothing to hand over: the layer casts
+    layer.weight_provider = lambda module, spec, history: None  # nothing to hand over: the layer casts
     assert torch.equal(_step(layer, x, g)[0], _step(reference, x, g)[0])
 
     doubled = copy.deepcopy(reference)
-    doubled.weight_provider = lambda module, spec: quantize(module.weight.detach() * 2, spec)
+    doubled.weight_provider = lambda module, spec, history: quantize(module.weight.detach() * 2, spec)
     y = _step(doubled, x, g)[0]
     torch.testing.assert_close(y - reference.bias, 2 * (_step(reference, x, g)[0] - reference.bias), rtol=0.1, atol=0.1)
 
@@ -781,3 +782,61 @@ def test_double_backward_is_an_error_not_a_silent_zero():
     (grad,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.square().sum().backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_weight_provider_under_checkpointing_with_delayed(use_reentrant):
+    """The recomputation asks the provider too, with the history state of the original forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_fp8.quantize import quantize
+
+    def provider(module, spec, history):
+        scale, ready = history
+        return quantize(module.weight.detach() * 2, spec, history_scale=scale, history_ready=ready)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+    lf.convert_to_fp8(plain, recipe="delayed")
+    plain[0].weight_provider = provider
+    ckpt = copy.deepcopy(plain)
+    ckpt[0].weight_provider = provider
+    for step in range(3):
+        x = torch.randn(8, 32) * (1 + step)
+        grads = []
+        for model, use_ckpt in ((plain, False), (ckpt, True)):
+            xx = x.clone().requires_grad_()
+            with lf.fp8_autocast():
+                y = checkpoint(model, xx, use_reentrant=use_reentrant) if use_ckpt else model(xx)
+            y.sum().backward()
+            grads.append(xx.grad)
+        assert torch.equal(*grads), step
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_an_evaluation_pass_before_the_backward_does_not_change_the_recomputation(use_reentrant):
+    """A no-grad eval-mode forward of the same layers between a checkpointed forward and its backward (a monitoring
+    pass) must not replace the decision the recomputation replays."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    lf.convert_to_fp8(plain, recipe="delayed")
+    ckpt = copy.deepcopy(plain)
+    for step in range(3):
+        x = torch.randn(8, 32) * (1 + step)
+        results = []
+        for model, use_ckpt in ((plain, False), (ckpt, True)):
+            xx = x.clone().requires_grad_()
+            with lf.fp8_autocast(defer_amax_history_roll=True):
+                y = checkpoint(model, xx, use_reentrant=use_reentrant) if use_ckpt else model(xx)
+            model.eval()
+            with torch.no_grad():  # outside the region: high precision
+                model(torch.randn(8, 32))
+            model.train()
+            y.square().sum().backward()
+            lf.roll_amax_history(model)
+            results.append([xx.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*results)), step
+        assert _same_buffers(_buffers(plain), _buffers(ckpt)), step

@@ -123,6 +123,7 @@ def test_state_dict_round_trip_and_mode_change():
     state = scaler.state_dict()
     assert state["mode"] == "dynamic" and state["scaler"]["scale"] == 2.0**6
     fresh = LossScaler("dynamic")
-    assert fresh.load_state_dict(state) is None and float(fresh.scale_tensor) == 2.0**6
+    assert fresh.load_state_dict(state) == (None, None) and float(fresh.scale_tensor) == 2.0**6
     other = LossScaler("skip_nonfinite")
-    assert "starts fresh" in other.load_state_dict(state) and float(other.scale_tensor) == 1.0
+    warning, ratio = other.load_state_dict(state)
+    assert "starts fresh" in warning and ratio == 2.0**-6 and float(other.scale_tensor) == 1.0

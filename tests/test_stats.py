@@ -173,3 +173,36 @@ def test_plugin_restores_counters_only_from_a_single_rank_checkpoint():
             assert torch.equal(layer.fp8_counts, counts) and epoch == 0
         else:
             assert int(layer.fp8_counts.sum()) == 0 and epoch == max(0, epoch_before) + 1
+
+
+def test_counters_set_back_and_grown_past_the_baseline_are_not_an_interval():
+    """An older state loaded in place whose counters grew past the old baseline by the next reading: the interval is
+    not measurable; fractions above 1 must not be reported."""
+    model = _model()
+    stats = FP8Stats(model)
+    _steps(model, 1)
+    old = lf.fp8_state_dict(model)
+    _steps(model, 4)
+    stats.metrics()
+    lf.load_fp8_state_dict(model, old)
+    _steps(model, 7, scale=100.0)  # saturating steps: the counters grow past the reading's baseline
+    metrics = stats.metrics()
+    assert all(v <= 1 for k, v in metrics.items() if k.endswith("_frac"))
+
+
+def test_names_do_not_change_when_a_model_is_set_up_later():
+    a = _model()
+    stats = FP8Stats([a])
+    _steps(a, 1)
+    stats.metrics()
+    b = nn.Sequential(nn.Linear(32, 32))
+    lf.convert_to_fp8(b)
+    stats.source = [a, b]
+    _steps(a, 1)
+    names = list(stats.read().layers)
+    assert names == ["0", "2", "1.0"]  # two Sequentials: the later one is named by its index
+    stats.metrics()
+    assert set(stats.total_counts) == {"0", "2", "1.0"}
+    assert stats.total_counts["0"][0][0] == 2 * 8 * 32  # one series, not restarted under a new name
+    layer = lf.FP8Linear(16, 16)  # a bare layer as the source: its class name, not an empty one
+    assert list(FP8Stats(layer).read().layers) == ["FP8Linear"]
