@@ -3,7 +3,8 @@
 
 Usage::
 
-    python benchmarks/bench_linear.py [--quick] [--out benchmarks/RESULTS.md] [--no-compile]
+    python benchmarks/bench_linear.py [--quick | --small] [--out benchmarks/RESULTS.md] [--json benchmarks/results/linear.json]
+                                      [--no-compile]
 
 Sections (all numbers come from this one process, so the ratios compare like with like):
 
@@ -14,7 +15,12 @@ Sections (all numbers come from this one process, so the ratios compare like wit
 3. device-to-host synchronisations (``aten._local_scalar_dense``) and aten op count per fwd+bwd;
 4. the cost of our statistics: train mode (casts with per-cast counts + state updates) vs eval mode
    (casts without any statistics, state untouched), through the public API, plus a micro-benchmark of
-   the internal cast functions.
+   the internal cast functions;
+5. quantization error: SQNR of the output, grad_input and grad_weight of one layer against a float64
+   reference, for each recipe and format, and torchao's tensorwise / rowwise on the same data.
+
+The raw numbers go to ``benchmarks/results/linear.json`` (``--json``), from which
+``benchmarks/docs_tables.py`` renders the tables the documentation includes.
 
 Speed is only meaningful as a ratio measured in the same run on the same machine; the result file
 records the machine and the versions. On a CPU the FP8 GEMMs are *emulated* (bf16 GEMMs plus the
@@ -27,6 +33,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import os
 import statistics
@@ -49,6 +56,7 @@ logging.getLogger("torchao").setLevel(logging.ERROR)  # torchao warns about its 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "RESULTS.md")
+DEFAULT_JSON = os.path.join(HERE, "results", "linear.json")
 OURS_RECIPES = ("tensorwise", "delayed", "rowwise")
 COMPILE_BUDGET_S = 120.0
 
@@ -60,6 +68,7 @@ COMPILE_BUDGET_S = 120.0
 @dataclasses.dataclass(frozen=True)
 class Config:
     quick: bool
+    small: bool = False
     # section 1: one layer
     mem_m: int = 8192
     mem_k: int = 1024
@@ -82,9 +91,14 @@ class Config:
     micro_reps: int = 20
 
 
-def make_config(quick: bool) -> Config:
+def make_config(quick: bool, small: bool = False) -> Config:
+    """``quick``: fewer repetitions, no compile. ``small``: shapes whose bf16 GEMMs stay affordable on a CPU
+    without bf16 matrix units (there a bf16 matmul runs at a fraction of a GFLOP/s, about 70x slower than
+    float32), keeping the full repetitions and ``torch.compile``."""
     if quick:
         return Config(quick=True, tokens=1024, hidden=512, warmup=1, reps=3, layer_m=2048, layer_reps=3)
+    if small:
+        return Config(quick=False, small=True, tokens=256, hidden=256, layer_m=1024, layer_k=512, layer_n=512)
     return Config(quick=False)
 
 
@@ -458,6 +472,58 @@ def bench_stats_overhead(cfg: Config) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+# 5. quantization error
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against ``ref``, in dB: 10 log10(sum ref^2 / sum (ref-x)^2)."""
+    ref, x = ref.double(), x.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum()))
+
+
+def bench_sqnr() -> dict[str, Any]:
+    """One ``Linear(512, 1024)`` (uniform init), standard-normal input (4, 256, 512) and output gradient,
+    float32 (no autocast); output, grad_input and grad_weight against the same layer in float64. ``delayed``
+    runs on history scales: one warm-up step on another batch of the same distribution first."""
+    gen = torch.Generator().manual_seed(1234)
+    base = nn.Linear(512, 1024)
+    with torch.no_grad():
+        base.weight.copy_(torch.empty(1024, 512).uniform_(-1, 1, generator=gen) / 512**0.5)
+        base.bias.copy_(torch.empty(1024).uniform_(-1, 1, generator=gen) / 512**0.5)
+    x, x_warm = torch.randn(4, 256, 512, generator=gen), torch.randn(4, 256, 512, generator=gen)
+    grad = torch.randn(4, 256, 1024, generator=gen)
+
+    def step(model: nn.Module, inp: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, ...]:
+        inp = inp.clone().requires_grad_()
+        with lf.fp8_autocast() if fp8 else contextlib.nullcontext():
+            out = model(inp)
+        out.backward(grad.to(out.dtype))
+        layer = model[0] if isinstance(model, nn.Sequential) else model
+        return out.detach(), inp.grad, layer.weight.grad
+
+    reference = step(copy.deepcopy(base).double(), x.double(), fp8=False)
+    rows: dict[str, dict[str, Any]] = {}
+    for recipe, fmt in (("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("delayed", "hybrid"),
+                        ("delayed", "e4m3"), ("rowwise", "e4m3")):
+        model = copy.deepcopy(base)
+        lf.convert_to_fp8(model, recipe=lf.FP8Recipe(name=recipe, fp8_format=fmt), log_summary=False)
+        if recipe == "delayed":
+            step(model, x_warm, fp8=True)
+            model.zero_grad()
+        got = step(model, x, fp8=True)
+        rows[f"ours-{recipe}-{fmt}"] = {"name": f"ours {recipe} ({fmt})", "recipe": recipe, "format": fmt,
+                                        "db": [sqnr_db(r, g) for r, g in zip(reference, got)]}
+    if load_torchao() is not None:
+        for recipe in ("tensorwise", "rowwise"):
+            model = build_variant(f"torchao-{recipe}", nn.Sequential(copy.deepcopy(base))).model
+            got = step(model, x, fp8=False)
+            rows[f"torchao-{recipe}"] = {"name": f"torchao {recipe} (emulate)", "recipe": recipe,
+                                         "format": "e4m3 fwd, e5m2 grads" if recipe == "tensorwise" else "e4m3",
+                                         "db": [sqnr_db(r, g) for r, g in zip(reference, got)]}
+    return {"tensors": ["output", "grad_input", "grad_weight"], "rows": rows}
+
+
+# --------------------------------------------------------------------------------------------------
 # report
 
 
@@ -469,13 +535,14 @@ def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict, stats: dict,
+def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict, stats: dict, sqnr: dict,
            total_s: float) -> str:
     L: list[str] = []
     L.append("# lightning_fp8 benchmark: FP8Linear vs nn.Linear (fp32, bf16) and torchao Float8Linear")
     L.append("")
-    L.append(f"Generated by `python benchmarks/bench_linear.py{' --quick' if cfg.quick else ''}` "
-             f"in {total_s:.0f} s. Mode: {'quick' if cfg.quick else 'full'}.")
+    mode = "quick" if cfg.quick else "small" if cfg.small else "full"
+    L.append(f"Generated by `python benchmarks/bench_linear.py{'' if mode == 'full' else ' --' + mode}` "
+             f"in {total_s:.0f} s. Mode: {mode}.")
     L.append("")
     L.append("| | |")
     L.append("|---|---|")
@@ -650,6 +717,15 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
     for name, t in internal.items():
         L.append(f"| {name} | {fmt_ms(t)} | {t / plain:.2f} |")
     L.append("")
+    L.append("## 5. Quantization error (SQNR against float64, dB, higher is better)")
+    L.append("")
+    L.append((bench_sqnr.__doc__ or "").split("\n\n")[0].replace("\n    ", " ").strip())
+    L.append("")
+    L.append("| variant | " + " | ".join(sqnr["tensors"]) + " |")
+    L.append("|---|" + "---:|" * len(sqnr["tensors"]))
+    for row in sqnr["rows"].values():
+        L.append(f"| {row['name']} | " + " | ".join(f"{v:.2f}" for v in row["db"]) + " |")
+    L.append("")
     L.append(f"Load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}.")
     L.append("")
     return "\n".join(L)
@@ -662,10 +738,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, fewer repetitions, no torch.compile")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"Markdown output file (default {DEFAULT_OUT})")
+    parser.add_argument("--json", default=DEFAULT_JSON, help=f"raw numbers as JSON (default {DEFAULT_JSON})")
+    parser.add_argument("--small", action="store_true",
+                        help="small shapes for CPUs without bf16 matrix units (full repetitions and compile)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile measurements")
     args = parser.parse_args()
 
-    cfg = make_config(args.quick)
+    cfg = make_config(args.quick, args.small)
     t_start = time.perf_counter()
     env = environment()
     if load_torchao() is None:
@@ -683,15 +762,23 @@ def main() -> None:
     syncs = bench_syncs(cfg)
     stage("4. statistics overhead")
     stats = bench_stats_overhead(cfg)
+    stage("5. quantization error")
+    sqnr = bench_sqnr()
     total = time.perf_counter() - t_start
     stage("done")
 
-    text = render(cfg, env, mem, speed, syncs, stats, total)
+    text = render(cfg, env, mem, speed, syncs, stats, sqnr, total)
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
-    print(f"\nwritten to {args.out}", file=sys.stderr)
+    data = {"environment": env, "config": dataclasses.asdict(cfg), "total_s": total, "command":
+            "python benchmarks/bench_linear.py" + (" --quick" if cfg.quick else "") + (" --small" if cfg.small else "") + (" --no-compile" if args.no_compile else ""),
+            "saved_bytes": mem, "step_time": speed, "syncs": syncs, "statistics": stats, "sqnr": sqnr}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"\nwritten to {args.out} and {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":
