@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
 from models import TinyDecoder, loader
@@ -91,6 +92,74 @@ def test_exact_resume_single_device(recipe, tmp_path):
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, per_layer(r)[name][key]), (name, key)
+
+
+# ------------------------------------------- the exact-resume recipes of docs/checkpoints.md ("Resume is exact")
+
+
+class _MLP(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(160, 32, generator=g), torch.randn(160, 32, generator=g))
+
+
+def _straight_then_resumed(tmp_path, make_loader, every: dict, resume_from: str, epochs: int):
+    """One run of ``epochs`` epochs writing checkpoints, then a new run resumed from one of them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    straight = _MLP()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, **every)
+    make_trainer(FP8Precision(recipe="delayed"), epochs, enable_checkpointing=True, callbacks=[checkpoints]).fit(
+        straight, make_loader()
+    )
+    torch.manual_seed(1)  # a different init and random state: everything must come from the checkpoint
+    resumed = _MLP()
+    make_trainer(FP8Precision(recipe="delayed"), epochs).fit(resumed, make_loader(), ckpt_path=tmp_path / resume_from)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    s, r = per_layer(lf.fp8_state_dict(straight)), per_layer(lf.fp8_state_dict(resumed))
+    for name, entry in s.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):  # counters included: a single device restores them exactly
+                assert torch.equal(value, r[name][key]), (name, key)
+
+
+def test_exact_resume_from_an_epoch_end_checkpoint_with_a_shuffling_sampler(tmp_path):
+    """Epoch-end checkpoints of ModelCheckpoint, and a sampler that Lightning reseeds through set_epoch: bit-exact."""
+
+    def make_loader():
+        dataset = _dataset()
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
+
+    sampler = make_loader().sampler
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first  # it does reshuffle every epoch
+    _straight_then_resumed(tmp_path, make_loader, {"every_n_epochs": 1}, "epoch=0-step=10.ckpt", epochs=3)
+
+
+def test_exact_resume_from_a_mid_epoch_checkpoint_with_a_stateful_dataloader(tmp_path):
+    """ModelCheckpoint(every_n_train_steps) in the middle of an epoch, torchdata's StatefulDataLoader: bit-exact."""
+    import torchdata.stateful_dataloader as stateful  # in the test extra: this test must run, not skip
+
+    def make_loader():
+        return stateful.StatefulDataLoader(_dataset(), batch_size=16, shuffle=True)
+
+    _straight_then_resumed(tmp_path, make_loader, {"every_n_train_steps": 5}, "epoch=1-step=15.ckpt", epochs=2)
 
 
 def test_resume_with_another_recipe_is_a_clear_error(delayed_checkpoint):

@@ -210,12 +210,14 @@ def test_stdlib_split_is_deterministic_and_disjoint(lm_example):
 def test_fabric_example_runs_and_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fabric_example = load_example(ROOT / "examples" / "fabric_fp8.py", "fabric_fp8_example")
-    out = fabric_example.main(["--steps", "6", "--batch-size", "64", "--checkpoint", "a.ckpt", "--log-every", "3"])
+    # the default checkpoint name, which `python examples/fabric_fp8.py --resume fabric_fp8.ckpt` (examples/README.md)
+    # relies on
+    out = fabric_example.main(["--steps", "6", "--batch-size", "64", "--log-every", "3"])
     assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"])
     assert out["losses"][0] == pytest.approx(math.log(256), abs=0.3)
     model = out["model"].module
     assert all(isinstance(m, lf.FP8Linear) for m in model.net if isinstance(m, torch.nn.Linear))
-    state = torch.load(tmp_path / "a.ckpt", weights_only=True, map_location="cpu")
+    state = torch.load(tmp_path / "fabric_fp8.ckpt", weights_only=True, map_location="cpu")
     assert state["step"] == 6 and state["fp8"]["recipe"]["name"] == "delayed"
     (model_state,) = state["fp8"]["models"]
     assert set(fp8_state_layer_names(model_state)) == {"net.0", "net.2", "net.4"}
@@ -232,7 +234,7 @@ def test_fabric_example_runs_and_resumes(tmp_path, monkeypatch):
 
     # Resume: the FP8 state comes back with the weights and training continues from step 6.
     resumed = fabric_example.main(
-        ["--steps", "2", "--batch-size", "64", "--resume", "a.ckpt", "--checkpoint", "b.ckpt"]
+        ["--steps", "2", "--batch-size", "64", "--resume", "fabric_fp8.ckpt", "--checkpoint", "b.ckpt"]
     )
     history = layer_state(lf.fp8_state_dict(resumed["model"].module), "net.0")["amax_history"]
     assert int((history != 0).sum()) > 0
