@@ -9,6 +9,12 @@ and tensor (``fp8/<layer>/<tensor>/amax_history``, TensorBoard and W&B), a heatm
 log10 amax, one panel per tensor) to TensorBoard and W&B and, for every logger with a local directory
 (and always at the end of fit), to ``fp8_amax_heatmap.png``; alerts; and an end-of-fit summary table.
 
+A run whose last step is not a logging step gets one more reading at its end (logged like the others, at
+the last batch's step), so the summary and the heatmap cover the whole run, also when the run is shorter
+than the logging interval (the callback warns about that at the start of training). ``include`` /
+``exclude`` patterns that match no FP8 layer are an error at the start of fit, naming the closest layer
+names.
+
 Under DDP the values are reduced across ranks (amax: max, scale: min, counts: sum) and written once, by
 rank 0 (Lightning loggers only write on rank 0). Every rank holds every layer's state, so a layer
 that did not run on some rank contributes zeros and cannot cause a hang.
@@ -16,6 +22,7 @@ that did not run on some rank contributes zeros and cannot cause a hang.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from typing import Any
@@ -25,6 +32,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 
+from lightning_fp8.convert import unmatched_pattern_hint
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.heatmap import amax_heatmap_figure, finite_positive
 from lightning_fp8.recipe import ROLES
@@ -39,9 +47,10 @@ class FP8StatsCallback(Callback):
 
     Args:
         log_every_n_steps: log every this many optimizer steps; ``None`` (default) follows the Trainer's
-            ``log_every_n_steps``.
-        include: glob patterns of layer names to log (default: all FP8 layers).
-        exclude: glob patterns of layer names not to log.
+            ``log_every_n_steps``. The last step of the run is always read (summary and heatmap cover the whole
+            run); an interval longer than the run warns once at the start of training.
+        include: glob patterns (``fnmatch``) of FP8 layer names to log (default: all FP8 layers).
+        exclude: glob patterns of FP8 layer names not to log.
         histograms: send amax-history histograms to loggers that support them (TensorBoard, W&B).
         heatmap_every_n_logs: also draw the heatmap every this many logging steps (``0``: only at the end).
         heatmap_max_points: keep this many logging steps for the heatmap (oldest dropped).
@@ -51,7 +60,9 @@ class FP8StatsCallback(Callback):
         summary: print the per-layer summary table at the end of fit (rank 0).
 
     Raises:
-        ValueError: for invalid settings, naming the field.
+        ValueError: for invalid settings, naming the field; at the start of fit, for an ``include`` or ``exclude``
+            pattern that matches no FP8 layer (naming the closest FP8 layer names); an ``exclude`` pattern that
+            matches a layer the plugin keeps in high precision is accepted (that layer is not logged anyway).
     """
 
     def __init__(
@@ -99,6 +110,8 @@ class FP8StatsCallback(Callback):
         self._heatmap_amax: list[list[list[float]]] = []
         self._logs = 0
         self._warned_no_logger = False
+        self._warned_interval = False
+        self._tail_step: int | None = None  # heatmap column of an end-of-run reading off the interval
 
     @property
     def fetches(self) -> int:
@@ -117,8 +130,72 @@ class FP8StatsCallback(Callback):
     def _every(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps or max(1, trainer.log_every_n_steps or 1)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The models are converted by now: check the ``include`` / ``exclude`` patterns against their FP8 layers."""
+        self._stats.source = self._source(trainer, pl_module)
+        self._check_patterns(trainer)
+
+    def _check_patterns(self, trainer: pl.Trainer) -> None:
+        names = self._stats.available_layer_names()
+        if not names:  # no FP8 layer at all: the precision plugin refuses to train; nothing to name here
+            return
+        kept = {}  # layers in high precision, with the reason (only known through the plugin)
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, FP8PrecisionBase) and len(plugin.reports) == 1:
+            kept = dict(plugin.reports[0].skipped)
+        problems = []
+        for field, patterns in (("include", self.include), ("exclude", self.exclude)):
+            for pattern in patterns:
+                if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                    continue
+                high = [name for name in kept if fnmatch.fnmatchcase(name, pattern)]
+                if high and field == "exclude":
+                    continue  # redundant with the plugin's own exclusion: that layer is not logged anyway
+                if high:
+                    hint = "; ".join(f"{name!r} is not an FP8 layer ({kept[name]})" for name in high[:3])
+                else:
+                    hint = unmatched_pattern_hint(pattern, names, what="FP8 layer")
+                problems.append(f"{field} pattern {pattern!r} matches no FP8 layer ({hint})")
+        if problems:
+            raise ValueError(
+                f"FP8StatsCallback(include={self.include!r}, exclude={self.exclude!r}): " + "; ".join(problems) + ". "
+                "Patterns are fnmatch globs on the FP8 layer names of the metrics (fp8/<layer>/...); a pattern that "
+                "matches nothing is an error, so that a typo cannot silently log other layers than meant."
+            )
+
+    def _run_length(self, trainer: pl.Trainer) -> int | None:
+        """Optimizer steps the run ends at, as Lightning estimates them; ``None`` if unknown or unbounded."""
+        try:
+            total = trainer.estimated_stepping_batches
+        except Exception:  # e.g. accumulate_grad_batches that changes between epochs
+            return None
+        if not isinstance(total, (int, float)) or not math.isfinite(total) or total <= 0:
+            return None
+        return int(total)
+
+    def _warn_if_interval_exceeds_run(self, trainer: pl.Trainer) -> None:
+        if self._warned_interval:
+            return
+        total = self._run_length(trainer)
+        every = self._every(trainer)
+        if total is None or (trainer.global_step // every + 1) * every <= total:
+            return
+        self._warned_interval = True
+        source = (
+            f"FP8StatsCallback(log_every_n_steps={self.log_every_n_steps})"
+            if self.log_every_n_steps
+            else f"Trainer(log_every_n_steps={trainer.log_every_n_steps}), which FP8StatsCallback follows"
+        )
+        rank_zero_warn(
+            f"FP8StatsCallback: the logging interval of {every} steps ({source}) is longer than the run of {total} "
+            "optimizer steps: no step of this run is a logging step, so FP8 statistics are read only once, at the end "
+            f"of training (for the summary and the heatmap). To log during the run, set "
+            f"FP8StatsCallback(log_every_n_steps=N) with N <= {total}."
+        )
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stats.source = self._source(trainer, pl_module)
+        self._warn_if_interval_exceeds_run(trainer)
         if not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
             rank_zero_warn(
@@ -137,8 +214,22 @@ class FP8StatsCallback(Callback):
         self._last_logged_step = step
         self.log_now(trainer, pl_module)
 
-    def log_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
-        """Read, reduce, copy once and log the statistics now; returns the metrics (``/``-separated names)."""
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read the steps since the last logging step (every rank: the reading is reduced across ranks), so that the
+        summary and the heatmap cover the whole run, also a run shorter than the logging interval."""
+        step = trainer.global_step
+        if step == 0 or step == self._last_logged_step:
+            return
+        self._last_logged_step = step
+        # the step axis of the last batch's metrics (Lightning has counted that batch by now)
+        batches = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
+        self.log_now(trainer, pl_module, step=max(0, batches - 1))
+        self._tail_step = step
+
+    def log_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int | None = None) -> dict[str, float]:
+        """Read, reduce, copy once and log the statistics now; returns the metrics (``/``-separated names).
+
+        ``step``: the logger step (default: the step axis of Lightning's metrics of the current batch)."""
         self._stats.source = self._source(trainer, pl_module)
         reading = self._stats.read()
         if reading is None:
@@ -149,7 +240,8 @@ class FP8StatsCallback(Callback):
         self.last_metrics = metrics
         self._alerts(reading.layers)
         self._remember_heatmap(trainer.global_step, reading.layers)
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        if step is None:
+            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         # One read: each access of trainer.callback_metrics recomputes Lightning's result collection.
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
         for logger in trainer.loggers:
@@ -200,6 +292,10 @@ class FP8StatsCallback(Callback):
 
     # ------------------------------------------------------------------ media
     def _remember_heatmap(self, step: int, layers: dict[str, LayerReading]) -> None:
+        if self._tail_step is not None and self._heatmap_steps and self._heatmap_steps[-1] == self._tail_step:
+            # training went on after an end-of-run reading (a resumed run): keep the heatmap on the interval grid
+            del self._heatmap_steps[-1], self._heatmap_amax[-1]
+        self._tail_step = None
         self._heatmap_steps.append(step)
         self._heatmap_amax.append([layer.amax for layer in layers.values()])
         if len(self._heatmap_steps) > self.heatmap_max_points:
@@ -302,6 +398,7 @@ class FP8StatsCallback(Callback):
             "heatmap_amax": self._heatmap_amax,
             "layer_names": self.layer_names,
             "logs": self._logs,
+            "tail_step": self._tail_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -322,3 +419,4 @@ class FP8StatsCallback(Callback):
         self._heatmap_amax = state_dict["heatmap_amax"]
         self.layer_names = state_dict["layer_names"]
         self._logs = state_dict["logs"]
+        self._tail_step = state_dict.get("tail_step")

@@ -10,7 +10,10 @@ into one state table per recipe (:func:`lightning_fp8.state.bind_state_tables`).
 Default skip rules (each skipped layer is reported with its reason):
 
 * names matching one of the ``exclude`` glob patterns (``fnmatch`` on the fully-qualified name,
-  e.g. ``"lm_head"``, ``"*.router"``, ``"encoder.layers.0.*"``);
+  e.g. ``"lm_head"``, ``"*.router"``, ``"encoder.layers.0.*"``). A pattern is matched against each
+  layer's *own* name only: ``"blocks.0"`` names the block, not the Linear layers inside it (use
+  ``"blocks.0.*"``). A pattern that matches no layer is an error that names the closest layer names
+  (a typo such as ``"lm_haed"`` must not silently train the head in FP8; see ``check_exclude``);
 * for ``nn.Linear``: ``in_features`` or ``out_features`` not a multiple of 16 (FP8 tensor cores need it;
   such layers would be zero-padded on every call, which costs more than it saves). Pass
   ``skip_unaligned=False`` to convert them anyway: they are padded and stay correct;
@@ -21,6 +24,7 @@ Default skip rules (each skipped layer is reported with its reason):
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import logging
 from collections.abc import Callable, Sequence
@@ -155,6 +159,110 @@ def _skip_reason(
     return _REGISTRY[source].skip_reason(module, skip_unaligned)
 
 
+_GLOB_CHARS = frozenset("*?[")
+
+
+def closest_names(pattern: str, names: Sequence[str], n: int = 5) -> list[str]:
+    """The names in ``names`` closest to ``pattern`` (``difflib``), best first; for typos in name patterns.
+
+    A name is compared whole, without the ``_orig_mod`` components ``torch.compile`` inserts, and by its trailing
+    components (as many as ``pattern`` has), so ``"lm_haed"`` finds ``"model.lm_head"``."""
+    parts = pattern.count(".") + 1
+    scored: dict[str, float] = {}
+    for name in dict.fromkeys(names):
+        tail = ".".join(name.split(".")[-parts:])
+        scored[name] = max(
+            difflib.SequenceMatcher(None, pattern, candidate).ratio()
+            for candidate in dict.fromkeys((name, _without_orig_mod(name), tail))
+        )
+    close = set(difflib.get_close_matches(pattern, list(scored), n=n, cutoff=0.6))
+    close |= {name for name, score in scored.items() if score >= 0.6}
+    best = max((scored[name] for name in close), default=0.0)
+    close = {name for name in close if scored[name] >= best - 0.15}  # not the also-rans of a clear winner
+    return sorted(close, key=lambda name: (-scored[name], name))[:n]
+
+
+def _without_orig_mod(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components that ``torch.compile``'s wrapper adds to module names."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def unmatched_pattern_hint(
+    pattern: str, layer_names: Sequence[str], other_names: Sequence[str] = (), what: str = "layer"
+) -> str:
+    """Why ``pattern`` matches none of ``layer_names`` and what would: a module of ``other_names`` it matches (a
+    block: its layers need ``pattern.*``), a glob for a name written without its prefix, the closest names (of
+    ``what``: ``"layer"``, ``"FP8 layer"``)."""
+    hints = []
+    parents = [name for name in other_names if fnmatch.fnmatchcase(name, pattern)]
+    if parents:
+        hints.append(
+            f"it matches {_quoted(parents, 3)}, which {'is' if len(parents) == 1 else 'are'} not a layer: patterns "
+            f"match each layer by its own fully-qualified name, so use {pattern + '.*'!r} for the layers inside"
+        )
+    compiled = [
+        name for name in layer_names if "_orig_mod" in name and fnmatch.fnmatchcase(_without_orig_mod(name), pattern)
+    ]
+    if compiled:
+        hints.append(
+            f"it would match {_quoted(compiled, 3)} without the '_orig_mod.' that torch.compile inserts into the "
+            "names of the modules it wraps: write it into the pattern, or start the pattern with '*'"
+        )
+    elif not parents and not _GLOB_CHARS & set(pattern):
+        for glob in (f"*{pattern}", f"*{pattern}*"):
+            matches = [name for name in layer_names if fnmatch.fnmatchcase(name, glob)]
+            if matches:
+                hints.append(f"the glob {glob!r} would match {_quoted(matches, 3)}")
+                break
+    close = closest_names(pattern, layer_names)
+    if close:
+        hints.append(f"closest {what} names: {_quoted(close, 5)}")
+    elif layer_names:
+        hints.append(f"the {what}s are: {_quoted(layer_names, 8)}")
+    else:
+        hints.append("the model has no nn.Linear layer" if what == "layer" else f"there is no {what}")
+    return "; ".join(hints)
+
+
+def _quoted(names: Sequence[str], limit: int) -> str:
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_exclude(
+    exclude: Sequence[str], modules: Sequence[nn.Module], owner: str = "exclude", advice: str = ""
+) -> None:
+    """Raise if a pattern of ``exclude`` matches no layer (of a registered type: ``nn.Linear``, FP8 or not, and its
+    subclasses) of any of ``modules``, by fully-qualified name within its model. Checking several models at once is
+    what the precision plugin does for Fabric, where a pattern may name a layer of only one of them.
+
+    Raises:
+        ValueError: naming each unmatched pattern with ``unmatched_pattern_hint``, prefixed by ``owner`` and
+            followed by ``advice``.
+    """
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    layers: list[str] = []
+    others: list[str] = []
+    for module in modules:
+        for name, child in module.named_modules():
+            if isinstance(child, FP8Module) or _registered_base(child) is not None:
+                layers.append(name)
+            else:
+                others.append(name)
+    problems = [
+        f"pattern {pattern!r} matches no layer ({unmatched_pattern_hint(pattern, layers, others)})"
+        for pattern in exclude
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in layers)
+    ]
+    if problems:
+        raise ValueError(
+            f"{owner}: " + "; ".join(problems) + ". Patterns are fnmatch globs on fully-qualified module names of "
+            "nn.Linear layers; a pattern that matches nothing is an error, so that a typo cannot silently train a "
+            "layer in FP8." + (f" {advice}" if advice else "")
+        )
+
+
 def _device_of(module: nn.Module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
@@ -167,6 +275,7 @@ def convert_to_fp8(
     exclude: Sequence[str] = (),
     skip_unaligned: bool = True,
     log_summary: bool = True,
+    allow_unmatched_exclude: bool = False,
 ) -> ConversionReport:
     """Convert the eligible layers of ``module`` (including ``module`` itself) to their FP8 types, in place.
 
@@ -177,12 +286,19 @@ def convert_to_fp8(
     Args:
         module: the model; modified in place.
         recipe: an :class:`FP8Recipe` or recipe name (default ``"tensorwise"``).
-        exclude: glob patterns of fully-qualified module names to keep in high precision.
+        exclude: glob patterns (``fnmatch``) of fully-qualified names of layers to keep in high precision. Each
+            pattern is matched against the layers' own names (``"blocks.0"`` names a block, not its layers: use
+            ``"blocks.0.*"``).
         skip_unaligned: skip layers whose features are not multiples of 16 (default) instead of padding.
         log_summary: log the one-line summary (the precision plugin logs its own line instead).
+        allow_unmatched_exclude: do not raise for ``exclude`` patterns that match no layer of ``module`` (the
+            precision plugin passes ``True`` and checks the patterns across all its models, see ``check_exclude``).
 
     Raises:
-        ValueError: if an existing FP8Linear has a different recipe (never a silent mix of recipes).
+        ValueError: if an existing FP8Linear has a different recipe (never a silent mix of recipes); if an
+            ``exclude`` pattern matches no layer (unless ``allow_unmatched_exclude``), naming the closest layer
+            names; if an ``exclude`` pattern matches a layer that is FP8 already (the pattern could not take
+            effect). The model is left untouched in each case.
     """
     recipe = resolve_recipe(recipe)
     if isinstance(exclude, str):
@@ -193,13 +309,27 @@ def convert_to_fp8(
     for name, child in module.named_modules():
         for child_name, grandchild in child.named_children():
             parents[f"{name}.{child_name}" if name else child_name] = child
-    # Check every existing FP8 layer before converting anything: a mismatch leaves the model untouched.
+    # Check every existing FP8 layer and the patterns before converting anything: an error leaves the model untouched.
     for name, child in module.named_modules():
         if isinstance(child, FP8Module) and child.fp8_recipe != recipe:
             raise ValueError(
                 f"Layer {name or '<root>'!r} is already FP8 with recipe {child.fp8_recipe} and cannot be "
                 f"converted again with {recipe}; call convert_from_fp8 first."
             )
+        if isinstance(child, FP8Module):
+            pattern = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
+            if pattern is not None:
+                raise ValueError(
+                    f"exclude pattern {pattern!r} matches layer {name or '<root>'!r}, which is FP8 already: it cannot "
+                    "be kept in high precision. Call convert_from_fp8 first, or convert once with this exclude."
+                )
+    if not allow_unmatched_exclude:
+        check_exclude(
+            exclude,
+            [module],
+            owner=f"convert_to_fp8(exclude={list(exclude)!r})",
+            advice="Pass allow_unmatched_exclude=True to ignore patterns that match nothing.",
+        )
     for name, child in module.named_modules():
         if isinstance(child, FP8Module):
             report.already_fp8.append(name)

@@ -12,7 +12,9 @@ What the plugin owns:
 * **Conversion.** ``convert_module`` turns the eligible ``nn.Linear`` layers into
   :class:`~lightning_fp8.FP8Linear` in place (idempotent; DDP ignores the returned module) and binds
   their FP8 state into one table per recipe. If no layer can run in FP8 it raises instead of silently
-  training in high precision. Every model set up with the plugin is tracked (Fabric may set up
+  training in high precision; so does an ``exclude`` pattern that matches no layer of any of the
+  models (checked when the models are known: Trainer at setup, Fabric at the first forward).
+  Every model set up with the plugin is tracked (Fabric may set up
   several: a generator and a discriminator). Rank 0 logs one line per model with the recipe, the
   converted/skipped layers (with reasons), the GEMM path and the device.
 * **The autocast region.** Every forward runs inside ``torch.autocast(compute_dtype)`` plus the FP8
@@ -61,7 +63,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_fp8 import gemm
-from lightning_fp8.convert import ConversionReport, convert_to_fp8
+from lightning_fp8.convert import ConversionReport, check_exclude, convert_to_fp8
 from lightning_fp8.distributed import all_reduce_pending_amax, world_size
 from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss_scaling
 from lightning_fp8.recipe import FP8Recipe
@@ -91,7 +93,11 @@ class FP8PrecisionBase(Precision):
         power_of_2_scale: round every scale down to a power of two (``None``: only for ``rowwise``).
         compute_dtype: dtype of ``torch.autocast`` around the forward: ``torch.bfloat16`` (default) or
             ``torch.float16``. Parameters and optimizer state stay in their own dtype (float32).
-        exclude: glob patterns of fully-qualified module names kept in high precision (e.g. ``["lm_head"]``).
+        exclude: glob patterns (``fnmatch``) of fully-qualified names of layers kept in high precision (e.g.
+            ``["lm_head"]``, ``["*.router"]``, ``["blocks.0.*"]``); each pattern is matched against the layers' own
+            names (``"blocks.0"`` names a block, not its layers). A pattern that matches no layer of any model set up
+            with the plugin raises a ``ValueError`` naming the closest layer names: Trainer at setup, Fabric at the
+            first forward (across every model set up by then, so a pattern may name a layer of one model only).
         skip_unaligned: keep layers whose features are not multiples of 16 in high precision (default).
         fp8_eval: run validation, test and predict in FP8 too (default ``True``: the model is evaluated
             with the numerics it is trained with, so validation and training losses are comparable).
@@ -181,6 +187,7 @@ class FP8PrecisionBase(Precision):
         self._plain_models: list[tuple[nn.Module, ConversionReport]] = []
         self._announced = 0
         self._announced_plain = 0
+        self._exclude_checked = 0
 
     # ------------------------------------------------------------------ what Lightning reads
     @property
@@ -228,8 +235,15 @@ class FP8PrecisionBase(Precision):
                 model set up with the plugin has one, the first forward (Trainer: ``connect``) raises.
         """
         self._check_strategy(module)
+        # A pattern may name a layer of only one of several models (Fabric: a generator and a discriminator): the
+        # patterns are checked across all models in `announce`, once they are known.
         report = convert_to_fp8(
-            module, recipe=self.recipe, exclude=self.exclude, skip_unaligned=self.skip_unaligned, log_summary=False
+            module,
+            recipe=self.recipe,
+            exclude=self.exclude,
+            skip_unaligned=self.skip_unaligned,
+            log_summary=False,
+            allow_unmatched_exclude=True,
         )
         if not report.fp8_layers:
             # Fabric may set up a model with nothing to convert next to FP8 ones (a conv discriminator, a frozen
@@ -290,9 +304,11 @@ class FP8PrecisionBase(Precision):
         Fabric: at the first forward, once the models are on their device and wrapped).
 
         Raises:
-            ValueError: if no model set up with the plugin has a layer that can run in FP8 (never train silently
-                in high precision).
+            ValueError: if an ``exclude`` pattern matches no layer of any model set up with the plugin, naming the
+                closest layer names; if no model set up with the plugin has a layer that can run in FP8 (never train
+                silently in high precision).
         """
+        self._check_exclude()
         if not self.fp8_models and self._plain_models:
             reasons = "; ".join(
                 f"{n or '<root>'}: {why}" for _, report in self._plain_models for n, why in report.skipped.items()
@@ -321,6 +337,20 @@ class FP8PrecisionBase(Precision):
             report.device = str(device)
             report.gemm_path = gemm.gemm_path(device)
             rank_zero_info(f"lightning_fp8: {report.summary()}; compute dtype {self.compute_dtype}")
+
+    def _check_exclude(self) -> None:
+        """Every ``exclude`` pattern must match a layer of a set-up model (checked when models were added)."""
+        models = self.fp8_models + [module for module, _ in self._plain_models]
+        if not self.exclude or len(models) <= self._exclude_checked:
+            return
+        check_exclude(
+            self.exclude,
+            models,
+            owner=f"FP8Precision(exclude={self.exclude!r})",
+            advice="Fix the pattern or remove it."
+            + (f" (Checked across the {len(models)} models set up so far.)" if len(models) > 1 else ""),
+        )
+        self._exclude_checked = len(models)
 
     # ------------------------------------------------------------------ forward
     @override

@@ -160,6 +160,15 @@ class FP8Stats:
             prefixes.append(self._labels[id(model)])
         return prefixes
 
+    def available_layer_names(self) -> list[str]:
+        """Names of every FP8 layer of the source, as the metric names spell them, before ``include`` / ``exclude``."""
+        models = self._models()
+        return [
+            prefix + (name or type(module).__name__)
+            for prefix, model in zip(self._prefixes(models), models)
+            for name, module in fp8_layers(model)
+        ]
+
     def _blocks(self) -> list[_Block]:
         blocks: dict[int, _Block] = {}
         models = self._models()

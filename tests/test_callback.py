@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import lightning as L
 import pytest
@@ -29,6 +30,13 @@ def fit(tmp_path, callback, loggers, steps=12, recipe="delayed", model=None, los
     )
     trainer.fit(model, loader(n=8_000))
     return trainer, model
+
+
+def warnings_recorded():
+    """Record every warning (``pytest.warns(None)`` is gone)."""
+    manager = warnings.catch_warnings(record=True)
+    warnings.simplefilter("always")
+    return manager
 
 
 def read_csv(path):
@@ -115,6 +123,74 @@ def test_include_exclude_patterns(tmp_path):
     header = read_csv(os.path.join(logger.log_dir, "metrics.csv"))[0].keys()
     layers = {k.split("/")[1] for k in header if k.startswith("fp8/") and k.count("/") == 3}
     assert layers == {f"blocks.{i}.{n}" for i in (0, 1) for n in ("proj", "fc", "out")}
+
+
+def test_include_typo_raises_at_fit_start_with_the_closest_names(tmp_path):
+    callback = FP8StatsCallback(log_every_n_steps=1, include=["blocks.*.qvk"])
+    with pytest.raises(ValueError, match=r"include pattern 'blocks\.\*\.qvk' matches no FP8 layer") as err:
+        fit(tmp_path, callback, False, steps=1)
+    assert "closest FP8 layer names: 'blocks.0.qkv', 'blocks.1.qkv'" in str(err.value)
+    assert callback.fetches == 0  # before any reading
+    # include: a layer the plugin keeps in high precision is not an FP8 layer: the message says why
+    torch.manual_seed(0)
+    trainer = make_trainer(
+        FP8Precision(exclude=["lm_head"]), callbacks=[FP8StatsCallback(include=["lm_head"])], max_steps=1
+    )
+    with pytest.raises(ValueError, match=r"include pattern 'lm_head'.*'lm_head' is not an FP8 layer \(excluded by"):
+        trainer.fit(TinyDecoder(), loader(n=2_000))
+    # exclude: the same layer in both exclude lists is redundant, not an error (it is not logged either way)
+    torch.manual_seed(0)
+    callback = FP8StatsCallback(log_every_n_steps=1, exclude=["lm_head"])
+    trainer = make_trainer(FP8Precision(exclude=["lm_head"]), callbacks=[callback], max_steps=1)
+    trainer.fit(TinyDecoder(), loader(n=2_000))
+    assert callback.layer_names and not any("lm_head" in name for name in callback.layer_names)
+
+
+def test_run_shorter_than_the_interval_warns_and_still_summarises(tmp_path, caplog):
+    """max_steps=3 with a 50-step interval: no step is a logging step. One warning at the start names both
+    numbers; the end of training reads the statistics once, so the summary, the heatmap and one logged row exist."""
+    import logging
+
+    callback = FP8StatsCallback(log_every_n_steps=50)
+    logger = CSVLogger(tmp_path)
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="interval") as record:
+        fit(tmp_path, callback, [logger], steps=3)
+    warnings = [str(w.message) for w in record if "FP8StatsCallback: the logging interval" in str(w.message)]
+    assert warnings == [
+        "FP8StatsCallback: the logging interval of 50 steps (FP8StatsCallback(log_every_n_steps=50)) is longer than "
+        "the run of 3 optimizer steps: no step of this run is a logging step, so FP8 statistics are read only once, "
+        "at the end of training (for the summary and the heatmap). To log during the run, set "
+        "FP8StatsCallback(log_every_n_steps=N) with N <= 3."
+    ]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "FP8 summary (whole run, worst first)" in text and "blocks.0.fc" in text
+    table = callback.summary_table().splitlines()
+    assert len(table) == 2 + 9 * 3  # every layer and tensor
+    heatmap = os.path.join(logger.log_dir, "fp8_amax_heatmap.png")
+    assert os.path.getsize(heatmap) > 1000 and heatmap in text
+    rows = [r for r in read_csv(os.path.join(logger.log_dir, "metrics.csv")) if r.get("fp8/loss_scale")]
+    assert [int(r["step"]) for r in rows] == [2]  # the step axis of the last batch's own metrics
+    seen = 3 * 8 * 32 * 64  # three steps of blocks.0.fc's input elements, all of the run
+    assert callback._total_counts["blocks.0.fc"][0][0] == seen
+    assert callback.fetches == 1 + 1  # baseline + the end-of-run reading
+
+
+def test_trainer_interval_warning_and_no_warning_when_the_run_is_long_enough_or_unbounded(tmp_path):
+    with pytest.warns(UserWarning, match=r"interval of 50 steps \(Trainer\(log_every_n_steps=50\), which FP8Stats"):
+        fit(tmp_path, FP8StatsCallback(), False, steps=2)
+
+    class Batches(torch.utils.data.IterableDataset):  # no len(): Lightning cannot tell the run's length
+        def __iter__(self):
+            return iter(list(loader(n=2_000))[:2])
+
+    for callback, data, steps in ((FP8StatsCallback(log_every_n_steps=2), loader(n=8_000), 4),
+                                  (FP8StatsCallback(log_every_n_steps=50), Batches(), -1)):  # fmt: skip
+        torch.manual_seed(0)
+        trainer = make_trainer(FP8Precision(), callbacks=[callback], max_steps=steps, max_epochs=1)
+        with warnings_recorded() as record:
+            trainer.fit(TinyDecoder(), data if steps > 0 else torch.utils.data.DataLoader(data, batch_size=None))
+        assert not [w for w in record if "logging interval" in str(w.message)]
+        assert callback._total_counts  # read at the end in either case
 
 
 def test_no_logger_warns_once_and_still_saves_heatmap(tmp_path, capsys):

@@ -274,3 +274,43 @@ def test_registering_a_layer_type_converts_it(monkeypatch):
         convert.register_fp8_module(convert.FP8ModuleRule(Scaled, FP8Scaled, _to_fp8_scaled))
     with pytest.raises(ValueError, match="must subclass both FP8Module and Conv1d"):
         convert.register_fp8_module(convert.FP8ModuleRule(nn.Conv1d, FP8Scaled, _to_fp8_scaled))
+
+
+# --- exclude patterns that match nothing ----------------------------------------------------------------
+
+
+def test_exclude_typo_raises_with_the_closest_names_and_changes_nothing():
+    net = Net()
+    with pytest.raises(ValueError, match="'haed' matches no layer") as err:
+        lf.convert_to_fp8(net, exclude=["enc.*", "haed"])
+    message = str(err.value)
+    assert "closest layer names: 'head'" in message and "allow_unmatched_exclude=True" in message
+    assert "pattern 'enc.*'" not in message  # only the pattern that matches nothing is named
+    assert not any(isinstance(m, FP8Linear) for m in net.modules())  # nothing converted
+    report = lf.convert_to_fp8(net, exclude=["enc.*", "haed"], allow_unmatched_exclude=True)
+    assert report.converted == ["head"]
+
+
+def test_exclude_matches_layers_by_their_own_name_only():
+    """`enc` names a Sequential, not its Linear layers: a no-op, so an error that points at `enc.*`."""
+    with pytest.raises(ValueError, match=r"it matches 'enc', which is not a layer.*use 'enc\.\*'"):
+        lf.convert_to_fp8(Net(), exclude=["enc"])
+    assert lf.convert_to_fp8(Net(), exclude=["enc.*"]).converted == ["head"]
+    # layers skipped for another reason still count as matched (the pattern is not a no-op then)
+    assert lf.convert_to_fp8(Net(), exclude=["odd", "custom", "attn.out_proj"]).converted == ["enc.0", "enc.2", "head"]
+
+
+def test_exclude_without_the_prefix_suggests_a_glob():
+    wrapper = nn.Sequential()
+    wrapper.model = Net()
+    with pytest.raises(ValueError, match=r"the glob '\*head' would match 'model.head'.*closest layer names: 'model"):
+        lf.convert_to_fp8(wrapper, exclude=["head"])
+    assert "model.head" not in lf.convert_to_fp8(wrapper, exclude=["*head"]).converted
+
+
+def test_exclude_of_a_layer_that_is_fp8_already_raises():
+    net = Net()
+    lf.convert_to_fp8(net)
+    with pytest.raises(ValueError, match="'head', which is FP8 already.*convert_from_fp8"):
+        lf.convert_to_fp8(net, exclude=["head"])
+    assert isinstance(net.head, FP8Linear)

@@ -255,6 +255,28 @@ def test_a_model_without_fp8_layers_next_to_an_fp8_one(caplog):
         model(torch.randn(2, 4, 16))
 
 
+def _gan(exclude):
+    gen = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    disc = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh())
+    disc.head = torch.nn.Linear(64, 16)
+    plugin = FP8Precision(exclude=exclude)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    return fabric.setup(gen), fabric.setup(disc), gen, disc
+
+
+def test_exclude_patterns_are_checked_across_all_models():
+    """GAN pattern: `head` names a layer of the discriminator only; it must not fail on the generator, set up
+    first. A pattern that matches no layer of either model fails at the first forward, naming the closest names."""
+    gen_w, disc_w, gen, disc = _gan(["head"])
+    disc_w(gen_w(torch.randn(4, 32)))
+    assert type(disc.head) is torch.nn.Linear and isinstance(gen[0], lf.FP8Linear) and isinstance(disc[0], lf.FP8Linear)
+
+    gen_w, disc_w, gen, disc = _gan(["haed"])
+    with pytest.raises(ValueError, match=r"'haed' matches no layer.*closest layer names: 'head'.*2 models"):
+        gen_w(torch.randn(4, 32))
+    assert isinstance(disc.head, lf.FP8Linear)  # converted, but no step can run: the error comes first
+
+
 def test_checkpoint_without_fp8_state_starts_fresh_with_a_warning():
     """strategy='ddp_spawn' saves from the main process, which never trains: its plugin state holds no model."""
     source = FP8Precision()  # never set up

@@ -150,6 +150,22 @@ def test_conversion_in_place_and_one_log_line(caplog):
     assert "lm_head: excluded by pattern 'lm_head'" in line and "emulated FP8 GEMM on cpu" in line
 
 
+def test_exclude_typo_raises_at_setup_and_names_the_layer():
+    """`exclude=["lm_haed"]` must not silently train the head in FP8: setup fails before any step."""
+    model = TinyDecoder()
+    trainer = make_trainer(FP8Precision(exclude=["lm_haed"]), max_steps=1)
+    with pytest.raises(ValueError, match=r"FP8Precision\(exclude=\['lm_haed'\]\): pattern 'lm_haed' matches no") as err:
+        trainer.fit(model, loader(n=2_000))
+    assert "closest layer names: 'lm_head'" in str(err.value)
+    assert trainer.global_step == 0
+    with pytest.raises(ValueError, match=r"'blocks.0', which is not a layer.*'blocks\.0\.\*'"):
+        make_trainer(FP8Precision(exclude=["blocks.0"]), max_steps=1).fit(TinyDecoder(), loader(n=2_000))
+    model = TinyDecoder()
+    make_trainer(FP8Precision(exclude=["lm_head", "blocks.0.*"]), max_steps=1).fit(model, loader(n=2_000))
+    assert type(model.lm_head) is nn.Linear and type(model.blocks[0].fc) is nn.Linear
+    assert isinstance(model.blocks[1].fc, FP8Linear)
+
+
 class ConfigureModelDecoder(L.LightningModule):
     def __init__(self):
         super().__init__()

@@ -1,0 +1,86 @@
+"""torch.compile with the Trainer, the documented way: compile the inner model in ``configure_model``.
+
+Lightning calls ``configure_model`` before the precision plugin's ``convert_module``; ``torch.compile`` is lazy, so
+the plugin converts the Linear layers inside the ``OptimizedModule`` in place (their class changes, the module
+objects stay) and the first compiled forward traces the FP8 layers. Expected: one graph for the whole run (no graph
+break, no recompilation after the first step), every step in FP8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from models import loader
+from torch import nn
+from torch._dynamo import OptimizedModule
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from utils import make_trainer
+
+from lightning_fp8 import FP8Linear, FP8Precision
+
+SEQ, BATCH, DIM = 16, 4, 32
+
+
+class CompiledInConfigureModel(L.LightningModule):
+    def __init__(self, backend="aot_eager"):
+        super().__init__()
+        self.backend = backend
+        self.model = nn.Sequential(
+            nn.Embedding(256, DIM), nn.Linear(DIM, 64), nn.GELU(), nn.Linear(64, DIM), nn.LayerNorm(DIM),
+            nn.Linear(DIM, 256),
+        )  # fmt: skip
+        self.losses: list[torch.Tensor] = []
+
+    def configure_model(self):
+        if not isinstance(self.model, OptimizedModule):  # configure_model runs again on every fit/validate call
+            self.model = torch.compile(self.model, backend=self.backend)
+
+    def training_step(self, batch, batch_idx):
+        idx, target = batch
+        loss = F.cross_entropy(self.model(idx).float().view(-1, 256), target.reshape(-1))
+        self.log("train_loss", loss)  # eager: the LightningModule is not compiled, only self.model
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_model_compiled_in_configure_model_trains_in_fp8_in_one_graph(recipe):
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    model = CompiledInConfigureModel(backend)
+    plugin = FP8Precision(recipe=recipe)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        make_trainer(plugin, max_steps=3).fit(model, loader(seq_len=SEQ, batch_size=BATCH, n=1_000))
+    assert isinstance(model.model, OptimizedModule)
+    layers = [m for m in model.model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 3
+    assert plugin.report.fp8_layers == ["model._orig_mod.1", "model._orig_mod.3", "model._orig_mod.5"]
+    assert len(model.losses) == 3 and all(math.isfinite(float(loss)) for loss in model.losses)
+    assert dict(counters["graph_break"]) == {}
+    assert backend.frame_count == 1  # compiled once: no graph break, no recompilation after the first step
+    assert not counters["recompiles"]
+    # the compiled graph ran the FP8 layers on every step: their element counters saw all three steps' inputs
+    assert int(layers[0].fp8_counts[0, 0]) == 3 * BATCH * SEQ * DIM
+    assert bool((layers[0].fp8_amax_history[0] > 0).any())
+
+
+def test_exclude_names_inside_a_compiled_model_carry_orig_mod():
+    """torch.compile registers the model as `_orig_mod`: a name without it matches nothing, and the error says
+    which names exist and which glob matches."""
+    with pytest.raises(ValueError, match=r"'model\.5' matches no layer \(it would match 'model\._orig_mod\.5' without"):
+        make_trainer(FP8Precision(exclude=["model.5"]), max_steps=1).fit(
+            CompiledInConfigureModel(), loader(seq_len=SEQ, batch_size=BATCH, n=1_000)
+        )
+    model = CompiledInConfigureModel()
+    plugin = FP8Precision(exclude=["*.5"])
+    plugin.convert_module(model.configure_model() or model)  # what the Trainer does: configure_model, then convert
+    assert type(model.model._orig_mod[5]) is nn.Linear and isinstance(model.model._orig_mod[1], FP8Linear)
