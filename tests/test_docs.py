@@ -48,7 +48,7 @@ def site(tmp_path_factory) -> Path:
 def test_strict_build_produces_every_page(site):
     pages = ["index.html", "installation/index.html", "quickstart/index.html", "recipes/index.html",
              "stats/index.html", "troubleshooting/index.html", "distributed/index.html", "checkpoints/index.html",
-             "benchmarks/index.html", "changelog/index.html", "api/index.html", "api/precision/index.html",
+             "benchmarks/index.html", "compare/index.html", "changelog/index.html", "api/index.html", "api/precision/index.html",
              "api/callbacks/index.html", "api/linear/index.html", "api/convert/index.html", "api/recipe/index.html",
              "api/state/index.html", "api/gemm/index.html", "api/distributed/index.html", "architecture/index.html",
              "api/stats/index.html", "api/region/index.html", "api/quantize/index.html", "api/loss_scaling/index.html"]
