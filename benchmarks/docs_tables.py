@@ -13,7 +13,8 @@ table is up to date with its JSON and that the pages carry no hand-typed measure
 
 Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.json`` and
 ``results/core_after.json`` (``bench_core.py`` on lightning-fp8 0.1 and on the core v2),
-``results/core_instructions.json`` (callgrind counts of ``layer_overhead_workload.py``).
+``results/core_instructions.json`` (callgrind counts of ``layer_overhead_workload.py``),
+``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def caption(env: dict[str, str], command: str) -> str:
     load, cores = env.get("load average at start", ""), re.match(r"\d+", env.get("cores", ""))
     if load and cores and float(load.split()[0]) > int(cores.group(0)) / 2:
         busy = (f" The machine was busy (load average {load.split()[0]} on {cores.group(0)} CPUs): wall-clock "
-                "ratios are noisy, prefer CPU time.")
+                "ratios are noisy.")
     return (f"*Measured {env.get('date', '?')} on {cpu}, {env.get('cores', '?')}; {versions}; "
             f"`{command}`. {what}.{busy}*")
 
@@ -238,7 +239,19 @@ def core_instructions() -> str:
     return cap + "\n\n" + table(["recipe", "per layer", "0.1", "core v2", "change"], rows)
 
 
+# ---------------------------------------------------------------------------------------- compare
+
+
+def compare_example() -> str:
+    from lightning_fp8.compare import PrecisionComparison
+
+    data = load("compare_example.json")
+    report = PrecisionComparison.from_dict(data["comparison"]).to_markdown()
+    return caption(data["environment"], data["command"]) + "\n\n" + report.rstrip("\n")
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "compare_example.md": compare_example,
     "linear_saved_bytes.md": linear_saved_bytes,
     "linear_step_time.md": linear_step_time,
     "linear_compile.md": linear_compile,

@@ -30,7 +30,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ EMULATED_NOTE = (
 # FP8Precision arguments that tune one recipe; dropped when a config's plugin is run under another recipe.
 _RECIPE_TUNING = ("fp8_format", "amax_compute_algo", "margin", "power_of_2_scale")
 # Trainer options of a config that change what a training step computes; everything else is replaced.
-_TRAINER_KEYS = ("accelerator", "gradient_clip_val", "gradient_clip_algorithm")
+_TRAINER_KEYS = ("accelerator", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
 
 
 @dataclass
@@ -66,8 +66,9 @@ class RunResult:
     Attributes:
         name: ``"bf16-mixed"`` or ``"fp8-<recipe>"``.
         step_time_s: median wall time of one training step (forward, backward, optimizer step; data loading
-            excluded) over the timed steps, i.e. after the warm-up steps. CUDA is synchronised at both ends.
-        samples_per_s: batch size / ``step_time_s``.
+            excluded) over the timed steps, i.e. after the warm-up steps. CUDA is synchronised at both ends. A
+            step is an optimizer step: with ``accumulate_grad_batches`` it holds all its micro-batches.
+        samples_per_s: samples of the first step (batch size times the micro-batches) / ``step_time_s``.
         tokens_per_s: tokens / ``step_time_s`` where the batch's first tensor holds token ids (an integer
             tensor of at least 2 dimensions, tokens = its number of elements), else ``None``.
         peak_memory_bytes: ``torch.cuda.max_memory_allocated`` over the run (weights, optimizer state and
@@ -76,9 +77,12 @@ class RunResult:
             each storage counted once, the model's parameters not counted (they exist anyway): the
             activation memory a step holds between forward and backward.
         step_times_s: the wall time of every step, warm-up included.
-        losses: the training loss of every step.
+        losses: the training loss of every step (with gradient accumulation: the sum of its micro-batches'
+            losses as Lightning normalises them, i.e. their mean).
         linear_flops_per_step: matmul FLOPs of every ``nn.Linear`` called in one training step:
-            ``3 * 2 * in_features * out_features * tokens`` per call (forward, input and weight gradients).
+            ``3 * 2 * in_features * out_features * tokens`` per call (forward, input and weight gradients),
+            counted in the first micro-batch, plus the input and output projections of every
+            ``nn.MultiheadAttention`` (it runs them functionally: never in FP8).
         fp8_flops_share: the share of ``linear_flops_per_step`` computed by ``FP8Linear`` layers.
         fp8_layers: the layers converted to FP8.
         skipped_layers: ``{layer: reason}`` for the Linear layers kept in high precision.
@@ -161,6 +165,14 @@ class PrecisionComparison:
             "same_data": self.same_data,
             "runs": runs,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrecisionComparison:
+        """The comparison back from :meth:`to_dict` (a saved ``compare.json``): ``from_dict(c.to_dict()) == c``."""
+        names = {f.name for f in fields(RunResult)}
+        runs = [RunResult(**{k: v for k, v in run.items() if k in names}) for run in data["runs"]]
+        return cls(runs=runs, device=data["device"], gemm_path=data["gemm_path"], steps=data["steps"],
+                   warmup=data["warmup"], seed=data["seed"])
 
     def to_markdown(self) -> str:
         """The report: the emulation warning (where it applies), the table, and the skipped layers with reasons."""
@@ -254,6 +266,9 @@ class _StepProbe(Callback):
     def __init__(self) -> None:
         self.step_times: list[float] = []
         self.losses: list[torch.Tensor] = []
+        self._step_time = 0.0  # the micro-batches of the current optimizer step
+        self._step_loss: torch.Tensor | None = None
+        self._global_step = 0
         self.fingerprints: list[int] = []
         self.samples = 0
         self.tokens: int | None = None
@@ -267,17 +282,24 @@ class _StepProbe(Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._global_step = trainer.global_step
+
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._sync(trainer)
         tensors = _tensors(batch)
         self.fingerprints.append(zlib.crc32(b"".join(_tensor_bytes(t) for t in tensors)))
-        if len(self.fingerprints) == 1:  # the first step: batch size, tokens, memory and FLOPs
+        if not self.step_times:  # the micro-batches of the first step: samples and tokens
             first = tensors[0] if tensors else None
-            self.samples = len(first) if first is not None and first.dim() else 1
-            if first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex():
-                self.tokens = first.numel()
+            self.samples += len(first) if first is not None and first.dim() else 1
+            ids = first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex()
+            if len(self.fingerprints) == 1:
+                self.tokens = 0 if ids else None
+            if self.tokens is not None:
+                self.tokens = self.tokens + first.numel() if ids else None
+        if len(self.fingerprints) == 1:  # the first micro-batch: memory and FLOPs
             self._start_probes(pl_module)
         self._start = time.perf_counter()
 
@@ -288,10 +310,16 @@ class _StepProbe(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._sync(trainer)
-        self.step_times.append(time.perf_counter() - self._start)
+        self._step_time += time.perf_counter() - self._start
         self._stop_probes()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float("nan")))
+        loss = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float("nan"))
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        if trainer.global_step != self._global_step:  # an optimizer step ended with this micro-batch
+            self._global_step = trainer.global_step
+            self.step_times.append(self._step_time)
+            self.losses.append(self._step_loss)
+            self._step_time, self._step_loss = 0.0, None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop_probes()
@@ -313,9 +341,22 @@ class _StepProbe(Callback):
             rows = args[0].numel() // layer.in_features
             self.linear_calls.append((2 * layer.in_features * layer.out_features * rows, isinstance(layer, FP8Linear)))
 
+        def count_attention(layer: nn.MultiheadAttention, args: tuple, kwargs: dict, output: Any) -> None:
+            # q, k, v and output projections, as F.multi_head_attention_forward runs them (in high precision)
+            inputs = [*args, *(kwargs[k] for k in ("query", "key", "value") if k in kwargs)][:3]
+            rows = [x.numel() // x.shape[-1] for x in inputs]
+            dims = (layer.embed_dim, layer.kdim, layer.vdim)
+            flops = 2 * layer.embed_dim * (sum(r * d for r, d in zip(rows, dims)) + rows[0] * layer.embed_dim)
+            self.linear_calls.append((flops, False))
+
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
         hooks.__enter__()
         self._probes = [hooks] + [m.register_forward_hook(count) for m in module.modules() if isinstance(m, nn.Linear)]
+        self._probes += [
+            m.register_forward_hook(count_attention, with_kwargs=True)
+            for m in module.modules()
+            if isinstance(m, nn.MultiheadAttention)
+        ]
 
     def _stop_probes(self) -> None:
         for probe in reversed(self._probes):

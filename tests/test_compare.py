@@ -112,6 +112,8 @@ def test_python_function_on_a_dataloader(tmp_path):
     paths = result.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.json", "compare.md", "compare_loss.png"]
     assert json.loads(paths["json"].read_text())["runs"][1]["fp8_flops_share"] == pytest.approx(0.75)
+    # a saved comparison comes back whole (the docs render their example report from one)
+    assert compare.PrecisionComparison.from_dict(json.loads(paths["json"].read_text())) == result
     assert result.to_markdown().splitlines()[0].startswith("**FP8 GEMMs are emulated on cpu")
     assert len(table_rows(result.to_markdown())) == 2
 
