@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import importlib
 import importlib.util
 import json
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -87,6 +89,8 @@ class RunResult:
         fp8_layers: the layers converted to FP8.
         skipped_layers: ``{layer: reason}`` for the Linear layers kept in high precision.
         batch_fingerprints: a checksum of each batch (to check every run saw the same data).
+        weights_fingerprint: a checksum of the parameters and buffers as the first step found them (to check every
+            run started from the same weights).
     """
 
     name: str
@@ -102,6 +106,7 @@ class RunResult:
     fp8_layers: list[str] = field(default_factory=list)
     skipped_layers: dict[str, str] = field(default_factory=dict)
     batch_fingerprints: list[int] = field(default_factory=list)
+    weights_fingerprint: int = 0
 
 
 @dataclass
@@ -137,6 +142,11 @@ class PrecisionComparison:
         """Whether every run trained on the same batches in the same order."""
         return all(r.batch_fingerprints == self.runs[0].batch_fingerprints for r in self.runs)
 
+    @property
+    def same_weights(self) -> bool:
+        """Whether every run started from the same weights."""
+        return all(r.weights_fingerprint == self.runs[0].weights_fingerprint for r in self.runs)
+
     def loss_difference(self, run: RunResult) -> float:
         """Mean over the steps of ``|loss - loss_baseline| / |loss_baseline|``."""
         base = self.runs[0].losses
@@ -163,6 +173,7 @@ class PrecisionComparison:
             "warmup": self.warmup,
             "seed": self.seed,
             "same_data": self.same_data,
+            "same_weights": self.same_weights,
             "runs": runs,
         }
 
@@ -182,7 +193,8 @@ class PrecisionComparison:
         lines += [
             f"Device {self.device}, FP8 GEMM path: {self.gemm_path}. {self.steps} steps per run, the first "
             f"{self.warmup} untimed; seed {self.seed}; "
-            + ("every run saw the same batches." if self.same_data else "**the runs saw different batches.**"),
+            + ("every run saw the same batches." if self.same_data else "**the runs saw different batches.**")
+            + ("" if self.same_weights else " **the runs started from different weights.**"),
             "",
             (
                 "| run | step (ms) | samples/s | tokens/s | speed vs bf16 | peak memory | saved for backward "
@@ -209,12 +221,13 @@ class PrecisionComparison:
 
     def plot(self, path: str | os.PathLike) -> None:
         """Save the loss curves of all runs to ``path`` (PNG)."""
-        import matplotlib
+        # A Figure with the Agg canvas, not pyplot: the caller's matplotlib backend (a notebook's) is left alone.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
         for run in self.runs:
             ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.name, linewidth=1.2)
         ax.set_xlabel("training step")
@@ -224,7 +237,6 @@ class PrecisionComparison:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write ``compare.md``, ``compare.json`` and ``compare_loss.png`` to ``folder``; returns their paths."""
@@ -256,8 +268,12 @@ class _BF16Mixed(MixedPrecision):
 
 def _autocast_device(trainer_kwargs: dict[str, Any] | None) -> str:
     """The device type of the run, as Lightning picks it for ``precision="bf16-mixed"``."""
-    accelerator = str((trainer_kwargs or {}).get("accelerator", "auto"))
-    return "cuda" if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
+    from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+
+    accelerator = (trainer_kwargs or {}).get("accelerator", "auto")
+    if isinstance(accelerator, Accelerator):  # an instance: Trainer(accelerator=CUDAAccelerator())
+        return "cuda" if isinstance(accelerator, CUDAAccelerator) else "cpu"
+    return "cuda" if str(accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
 
 
 class _StepProbe(Callback):
@@ -271,6 +287,7 @@ class _StepProbe(Callback):
         self._global_step = 0
         self.fingerprints: list[int] = []
         self.samples = 0
+        self.weights = 0
         self.tokens: int | None = None
         self.saved: dict[tuple[str, int], int] = {}
         self.linear_calls: list[tuple[int, bool]] = []  # (forward FLOPs, runs in FP8)
@@ -299,7 +316,9 @@ class _StepProbe(Callback):
                 self.tokens = 0 if ids else None
             if self.tokens is not None:
                 self.tokens = self.tokens + first.numel() if ids else None
-        if len(self.fingerprints) == 1:  # the first micro-batch: memory and FLOPs
+        if len(self.fingerprints) == 1:  # the first micro-batch: weights, memory and FLOPs
+            state = [t for t in pl_module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+            self.weights = zlib.crc32(b"".join(_tensor_bytes(t) for t in state))
             self._start_probes(pl_module)
         self._start = time.perf_counter()
 
@@ -449,6 +468,7 @@ def compare_precisions(
     """
     recipes = _check_arguments(recipes, steps, warmup)
     runs: list[RunResult] = []
+    models: list[weakref.ref] = []  # every run's model, to refuse a factory that hands out the same one again
     device = "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         for name in [BASELINE, *(f"fp8-{r}" for r in recipes)]:
@@ -475,7 +495,7 @@ def compare_precisions(
                         "default_root_dir": str(out_dir) if out_dir is not None else tmp,
                     }
                 )
-            runs.append(_train(name, trainer, module_factory, data, seed, warmup))
+            runs.append(_train(name, trainer, module_factory, data, seed, warmup, models))
             device = str(trainer.strategy.root_device)
     result = PrecisionComparison(runs, device, gemm_path(device), steps, warmup, seed)
     if out_dir is not None:
@@ -484,11 +504,22 @@ def compare_precisions(
 
 
 def _train(name: str, trainer: L.Trainer, module_factory: Callable[[], L.LightningModule], data: Any, seed: int,
-           warmup: int) -> RunResult:
+           warmup: int, models: list[weakref.ref]) -> RunResult:
     """One run: a new model from the seed, ``trainer.fit``, then the probe's measurements as a :class:`RunResult`."""
     probe = next(c for c in trainer.callbacks if isinstance(c, _StepProbe))
+    # The previous run's Trainer, model and optimizer state reference each other: free them before this run (on
+    # CUDA they would count in this run's peak memory).
+    gc.collect()
+    if trainer.strategy.root_device.type == "cuda":
+        torch.cuda.empty_cache()
     L.seed_everything(seed, verbose=False)
     model = module_factory()
+    if any(model is earlier() for earlier in models):
+        raise ValueError(
+            f"{name}: module_factory returned the model of an earlier run (trained, maybe converted to FP8): it must "
+            "build a new model on every call, e.g. pass the class or `lambda: MyModel(...)`, not `lambda: model`"
+        )
+    models.append(weakref.ref(model))
     L.seed_everything(seed, verbose=False)  # the same data order whatever the factory drew
     device = trainer.strategy.root_device
     if device.type == "cuda":
@@ -516,6 +547,7 @@ def _train(name: str, trainer: L.Trainer, module_factory: Callable[[], L.Lightni
         fp8_layers=list(report.fp8_layers) if report is not None else [],
         skipped_layers=dict(report.skipped) if report is not None else {},
         batch_fingerprints=probe.fingerprints,
+        weights_fingerprint=probe.weights,
     )
 
 

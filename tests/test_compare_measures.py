@@ -82,3 +82,51 @@ def test_config_keeps_gradient_accumulation():
     config = Namespace(trainer=Namespace(accumulate_grad_batches=4, max_epochs=3, plugins=None, accelerator="cpu"))
     trainer_kwargs, _ = compare._from_config(config)
     assert trainer_kwargs == {"accelerator": "cpu", "accumulate_grad_batches": 4}
+
+
+def test_bf16_baseline_autocasts_on_cuda_for_an_accelerator_instance(monkeypatch):
+    """Trainer(accelerator=CUDAAccelerator()) runs on CUDA: the bf16-mixed baseline must autocast there, not on the
+    CPU (which would leave the GPU baseline in float32 and make FP8 look faster)."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compare._autocast_device({"accelerator": CUDAAccelerator()}) == "cuda"
+    assert compare._autocast_device({"accelerator": CPUAccelerator()}) == "cpu"
+    assert compare._autocast_device({"accelerator": "gpu"}) == "cuda"
+    assert compare._autocast_device({"accelerator": "cpu"}) == "cpu"
+
+
+def test_runs_that_start_from_different_weights_are_reported_or_refused():
+    model = _Attention()
+    with pytest.raises(ValueError, match="module_factory returned the model of an earlier run"):
+        compare.compare_precisions(lambda: model, _data(), recipes=["tensorwise"], steps=2, warmup=1)
+
+    draws = iter(range(100))
+
+    def unseeded():  # a factory whose weights do not follow the seed
+        torch.manual_seed(next(draws))
+        return _Attention()
+
+    result = compare.compare_precisions(unseeded, _data(), recipes=["tensorwise"], steps=2, warmup=1)
+    assert not result.same_weights and result.same_data
+    assert "**the runs started from different weights.**" in result.to_markdown()
+    assert compare.PrecisionComparison.from_dict(result.to_dict()).same_weights is False
+    same = compare.compare_precisions(_Attention, _data(), recipes=["tensorwise"], steps=2, warmup=1)
+    assert same.same_weights and "different weights" not in same.to_markdown()
+
+
+def test_each_run_starts_after_the_previous_model_is_freed():
+    """Trainer, strategy, model and callbacks reference each other: without a collection the previous run's model and
+    optimizer state would still be allocated (on CUDA: in the next run's peak memory)."""
+    import weakref
+
+    made: list[weakref.ref] = []
+
+    def factory():
+        assert all(ref() is None for ref in made), "the previous run's model is still alive"
+        model = _Attention()
+        made.append(weakref.ref(model))
+        return model
+
+    compare.compare_precisions(factory, _data(), recipes=["tensorwise", "delayed"], steps=2, warmup=1)
+    assert len(made) == 3
