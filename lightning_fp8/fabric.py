@@ -226,6 +226,14 @@ class FP8PrecisionBase(Precision):
         return list(self._tables)
 
     # ------------------------------------------------------------------ conversion
+    def _forget_models(self) -> None:
+        """Stop tracking every model set up so far (their layers keep their FP8 state; the loss scaler and a
+        checkpoint state still waiting for its model are kept)."""
+        self.fp8_models, self.reports, self._tables, self._plain_models = [], [], [], []
+        self._param_owner.clear()
+        self._optimizer_tables.clear()
+        self._announced = self._announced_plain = self._exclude_checked = 0
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert ``module``'s eligible Linear layers to FP8 in place, bind their state, track the model.

@@ -39,13 +39,19 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Check the strategy, then convert in place (see the base class)."""
+        """Check the strategy, then convert in place (see the base class).
+
+        A Trainer trains one model: a plugin reused for another model (a notebook cell run again) forgets the
+        models of earlier fits, so that their state is not checkpointed, rolled or logged with the new one's.
+        """
         trainer = getattr(module, "_trainer", None)
         if trainer is not None and not isinstance(trainer.strategy, SUPPORTED_STRATEGIES):
             raise ValueError(
                 f"FP8Precision does not support the {type(trainer.strategy).__name__} strategy yet. Supported: "
                 "single device (strategy='auto') and DDP (strategy='ddp', 'ddp_spawn', 'ddp_notebook')."
             )
+        if not any(m is module for m in self.fp8_models) and not any(m is module for m, _ in self._plain_models):
+            self._forget_models()
         return super().convert_module(module)
 
     @override

@@ -453,3 +453,21 @@ def test_validation_does_not_touch_fp8_state_and_can_run_high_precision():
     trainer.validate(model, loader(n=4_000), verbose=False)
     hp_val = float(trainer.callback_metrics["val_loss"])
     assert fp8_val != hp_val and abs(fp8_val - hp_val) < 0.05 * hp_val
+
+
+def test_one_plugin_reused_for_a_new_model_tracks_only_that_model(tmp_path):
+    """A notebook re-runs its cell: the same FP8Precision fits a second, new model. The Trainer trains one model,
+    so the plugin must forget the first one: its state would otherwise be checkpointed, rolled and logged with
+    the second (stale layers in the metrics), and a stats-callback pattern checked against both."""
+    plugin = FP8Precision(exclude=["lm_head"])
+    for run in range(2):
+        torch.manual_seed(run)
+        model = TinyDecoder()
+        callback = lf.FP8StatsCallback(log_every_n_steps=1, exclude=["lm_head"])
+        make_trainer(plugin, callbacks=[callback], max_steps=2, default_root_dir=tmp_path).fit(model, loader(n=2_000))
+        assert plugin.fp8_models == [model] and len(plugin.reports) == 1
+        assert len(plugin.state_dict()["models"]) == 1
+        assert len(callback.layer_names) == len(set(callback.layer_names)) == len(plugin.report.fp8_layers)
+    # the same model again (fit, then validate) keeps it: nothing is forgotten
+    make_trainer(plugin, max_steps=1, default_root_dir=tmp_path).validate(model, loader(n=2_000))
+    assert plugin.fp8_models == [model]
