@@ -176,3 +176,23 @@ def test_the_pattern_rewraps_and_elides_but_checks_every_word():
     pattern = as_pattern("FP8: layer 'a' (input) has\noverflowed ... logs")
     assert pattern.search("FP8: layer 'a' (input) has overflowed on 2.50% of its elements for 3 logs")
     assert not pattern.search("FP8: layer 'a' (input) has underflowed on 2.50% of its elements for 3 logs")
+
+
+def test_quoted_summary_tables_have_the_code_s_title_columns_and_number_formats():
+    """The end-of-fit summary table quoted on the pages: its title and columns are the code's, and each row has the
+    code's shape (layer, tensor, two percentages with three decimals, amax, scale). The numbers come from a run."""
+    title, header = FP8StatsCallback().summary_table().splitlines()
+    row = re.compile(r"^\S+\s+(input|weight|grad_output)\s+\d+\.\d{3}%\s+\d+\.\d{3}%\s+\S+\s+\S+$")
+    tables = []
+    for page in PAGES:
+        source = page.read_text()
+        for block in TEXT_BLOCK.finditer(source):
+            lines = block.group(2).strip().splitlines()
+            if lines and lines[0].strip().startswith("FP8 summary"):
+                tables.append((page.relative_to(ROOT), lines))
+    assert tables, "the pages quote the summary table: the scan must find it"
+    for where, lines in tables:
+        assert lines[0].strip() == title, where
+        assert lines[1].split() == header.split(), where
+        rows = [line for line in lines[2:] if line.strip() not in ("...", "") and not line.startswith("FP8 amax heatmap")]
+        assert rows and all(row.match(line.strip()) for line in rows), (where, rows)
