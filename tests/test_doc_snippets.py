@@ -542,6 +542,10 @@ SHELL_COMMANDS: dict[str, object] = {
     # benchmarks: minutes even with --quick
     "python benchmarks/bench_linear.py": Help(),
     "python benchmarks/bench_linear.py --quick": Help(),
+    "python benchmarks/bench_linear.py --small": Help(),
+    "python benchmarks/bench_compare.py": Help(),
+    # its --check mode runs in tests/test_doc_numbers.py
+    "python benchmarks/docs_tables.py": Help(),
 }
 
 
