@@ -13,7 +13,6 @@ same weights and batches) and writes its result with the machine and versions (`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -44,11 +43,8 @@ def main() -> None:
     os.chdir(ROOT)
     with tempfile.TemporaryDirectory() as out:
         result = compare.main([*command, "--out", out])
-    data = {"environment": env, "command": "python -m lightning_fp8.compare " + " ".join(command),
-            "comparison": result.to_dict()}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(data, f, indent=1)
+    harness.write_result(args.json, env, "python -m lightning_fp8.compare " + " ".join(command),
+                         comparison=result.to_dict())
     print(f"written to {args.json}", file=sys.stderr)
 
 

@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import os
 import statistics
@@ -772,12 +771,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
-    data = {"environment": env, "config": dataclasses.asdict(cfg), "total_s": total, "command":
-            "python benchmarks/bench_linear.py" + (" --quick" if cfg.quick else "") + (" --small" if cfg.small else "") + (" --no-compile" if args.no_compile else ""),
-            "saved_bytes": mem, "step_time": speed, "syncs": syncs, "statistics": stats, "sqnr": sqnr}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(data, f, indent=1)
+    command = ("python benchmarks/bench_linear.py" + (" --quick" if cfg.quick else "") + (" --small" if cfg.small else "")
+               + (" --no-compile" if args.no_compile else ""))
+    harness.write_result(args.json, env, command, config=dataclasses.asdict(cfg), total_s=total, saved_bytes=mem,
+                         step_time=speed, syncs=syncs, statistics=stats, sqnr=sqnr)
     print(f"\nwritten to {args.out} and {args.json}", file=sys.stderr)
 
 

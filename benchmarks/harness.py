@@ -138,6 +138,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def write_result(path: str, env: dict[str, str], command: str, **data: Any) -> None:
+    """Write one result file (JSON): the machine and versions, the command that produced it, and the numbers.
+    ``benchmarks/docs_tables.py`` renders the documentation's tables from such files."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"environment": env, "command": command, **data}, f, indent=1, default=lambda o: asdict(o))
+
+
 def write_report(title: str, env: dict[str, str], sections: Sequence[str], data: dict[str, Any],
                  out_md: str | None, out_json: str | None) -> str:
     """Print the Markdown report and write it (and the raw numbers as JSON) where asked."""
