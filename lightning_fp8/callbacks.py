@@ -22,7 +22,6 @@ that did not run on some rank contributes zeros and cannot cause a hang.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from typing import Any
@@ -32,7 +31,6 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fp8.convert import unmatched_pattern_hint
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.heatmap import amax_heatmap_figure, finite_positive
 from lightning_fp8.recipe import ROLES
@@ -136,32 +134,11 @@ class FP8StatsCallback(Callback):
         self._check_patterns(trainer)
 
     def _check_patterns(self, trainer: pl.Trainer) -> None:
-        names = self._stats.available_layer_names()
-        if not names:  # no FP8 layer at all: the precision plugin refuses to train; nothing to name here
-            return
         kept = {}  # layers in high precision, with the reason (only known through the plugin)
         plugin = trainer.precision_plugin
         if isinstance(plugin, FP8PrecisionBase) and len(plugin.reports) == 1:
             kept = dict(plugin.reports[0].skipped)
-        problems = []
-        for field, patterns in (("include", self.include), ("exclude", self.exclude)):
-            for pattern in patterns:
-                if any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                    continue
-                high = [name for name in kept if fnmatch.fnmatchcase(name, pattern)]
-                if high and field == "exclude":
-                    continue  # redundant with the plugin's own exclusion: that layer is not logged anyway
-                if high:
-                    hint = "; ".join(f"{name!r} is not an FP8 layer ({kept[name]})" for name in high[:3])
-                else:
-                    hint = unmatched_pattern_hint(pattern, names, what="FP8 layer")
-                problems.append(f"{field} pattern {pattern!r} matches no FP8 layer ({hint})")
-        if problems:
-            raise ValueError(
-                f"FP8StatsCallback(include={self.include!r}, exclude={self.exclude!r}): " + "; ".join(problems) + ". "
-                "Patterns are fnmatch globs on the FP8 layer names of the metrics (fp8/<layer>/...); a pattern that "
-                "matches nothing is an error, so that a typo cannot silently log other layers than meant."
-            )
+        self._stats.check_patterns(kept, owner=f"FP8StatsCallback(include={self.include!r}, exclude={self.exclude!r})")
 
     def _run_length(self, trainer: pl.Trainer) -> int | None:
         """Optimizer steps the run ends at, as Lightning estimates them; ``None`` if unknown or unbounded."""

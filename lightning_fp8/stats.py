@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fp8.convert import unmatched_pattern_hint
 from lightning_fp8.distributed import REDUCE_MAX, REDUCE_MIN, REDUCE_SUM, reduce_statistics
 from lightning_fp8.recipe import ROLES
 from lightning_fp8.state import NONZERO, OVERFLOW, SEEN, UNDERFLOW, FP8StateTable, fp8_layers
@@ -111,6 +112,10 @@ class FP8Stats:
             also gives the loss scale and the skipped-step count.
         include: glob patterns of layer names to report (default: all FP8 layers).
         exclude: glob patterns of layer names not to report.
+
+    Raises:
+        ValueError: at the first reading, for an ``include`` or ``exclude`` pattern that matches no FP8 layer
+            (see :meth:`check_patterns`).
     """
 
     def __init__(self, source: Any, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> None:
@@ -122,6 +127,7 @@ class FP8Stats:
         self.fetches = 0  #: device-to-host copies made (one per reading)
         self._kinds: tuple[tuple[Any, ...], Tensor] | None = None
         self._labels: dict[int, str] = {}
+        self._patterns_checked = False
         self.reset()
 
     def reset(self) -> None:
@@ -169,6 +175,40 @@ class FP8Stats:
             for name, module in fp8_layers(model)
         ]
 
+    def check_patterns(self, kept: dict[str, str] | None = None, owner: str | None = None) -> None:
+        """Raise if an ``include`` or ``exclude`` pattern matches no FP8 layer of the source (a typo must not
+        silently report other layers than meant), naming the closest layer names. ``kept``: layers the plugin keeps
+        in high precision, with the reason (an ``include`` pattern naming one is explained; an ``exclude`` pattern
+        naming one is redundant, not an error). Nothing is checked while the source has no FP8 layer yet.
+
+        Called by the first :meth:`read` (with no ``kept``) and by ``FP8StatsCallback`` at the start of fit.
+        """
+        names = self.available_layer_names()
+        if not names:
+            return
+        self._patterns_checked = True
+        kept = kept or {}
+        problems = []
+        for field, patterns in (("include", self.include), ("exclude", self.exclude)):
+            for pattern in patterns:
+                if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                    continue
+                high = [name for name in kept if fnmatch.fnmatchcase(name, pattern)]
+                if high and field == "exclude":
+                    continue  # redundant with the plugin's own exclusion: that layer is not reported anyway
+                if high:
+                    hint = "; ".join(f"{name!r} is not an FP8 layer ({kept[name]})" for name in high[:3])
+                else:
+                    hint = unmatched_pattern_hint(pattern, names, what="FP8 layer")
+                problems.append(f"{field} pattern {pattern!r} matches no FP8 layer ({hint})")
+        if problems:
+            owner = owner or f"FP8Stats(include={self.include!r}, exclude={self.exclude!r})"
+            raise ValueError(
+                f"{owner}: " + "; ".join(problems) + ". Patterns are fnmatch globs on the FP8 layer names of the "
+                "metrics (fp8/<layer>/...); a pattern that matches nothing is an error, so that a typo cannot "
+                "silently report other layers than meant."
+            )
+
     def _blocks(self) -> list[_Block]:
         blocks: dict[int, _Block] = {}
         models = self._models()
@@ -214,6 +254,8 @@ class FP8Stats:
     # ------------------------------------------------------------------ host side
     def read(self) -> FP8Reading | None:
         """Snapshot, reduce across ranks, copy to the host once. ``None`` if there is no FP8 layer to report."""
+        if not self._patterns_checked:
+            self.check_patterns()
         blocks = self._blocks()
         if not blocks:
             return None

@@ -206,3 +206,19 @@ def test_names_do_not_change_when_a_model_is_set_up_later():
     assert stats.total_counts["0"][0][0] == 2 * 8 * 32  # one series, not restarted under a new name
     layer = lf.FP8Linear(16, 16)  # a bare layer as the source: its class name, not an empty one
     assert list(FP8Stats(layer).read().layers) == ["FP8Linear"]
+
+
+def test_a_pattern_that_matches_no_fp8_layer_fails_at_the_first_reading():
+    """In a Fabric loop there is no callback to check the patterns at the start: the first reading does."""
+    import pytest
+
+    plugin = FP8Precision(recipe="tensorwise")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    fabric.backward(model(torch.randn(8, 32)).float().sum())
+    with pytest.raises(ValueError, match=r"FP8Stats\(include=\['3'\].*include pattern '3' matches no FP8 layer") as err:
+        FP8Stats(plugin, include=["3"]).metrics()
+    assert "'0'" in str(err.value) or "'2'" in str(err.value)  # the layers there are
+    with pytest.raises(ValueError, match="exclude pattern 'O' matches no FP8 layer"):
+        FP8Stats(plugin, exclude=["O"]).read()
+    assert FP8Stats(plugin, include=["2"]).metrics()  # a pattern that matches is fine
