@@ -18,9 +18,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
+import harness
 
-from lightning_fp8 import compare  # noqa: E402
+from lightning_fp8 import compare
 
 ROOT = os.path.dirname(harness.HERE)
 DEFAULT_JSON = os.path.join(harness.HERE, "results", "compare_example.json")

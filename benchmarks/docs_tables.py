@@ -90,7 +90,7 @@ def linear_saved_bytes() -> str:
         ref_a, ref_d = mem["rows"]["bf16"]["A"]["bytes"], mem["rows"]["bf16"]["D"]["bytes"]
         rows.append([a["name"], f"{a['bytes'] / 2**20:.1f}", x(a["bytes"] / ref_a), x(d["bytes"] / ref_d)])
     return cap + "\n\n" + table(
-        ["layer (M = %d, K = %d, N = %d)" % (m, k, n), "MiB, float32 input", "× `nn.Linear` bf16, float32 input",
+        [f"layer (M = {m}, K = {k}, N = {n})", "MiB, float32 input", "× `nn.Linear` bf16, float32 input",
          "× `nn.Linear` bf16, bf16 input"], rows)
 
 
@@ -278,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(TABLES, exist_ok=True)
     for name, text in render_all().items():
         path = os.path.join(TABLES, name)
-        current = open(path).read() if os.path.exists(path) else None
+        current = None
+        if os.path.exists(path):
+            with open(path) as f:
+                current = f.read()
         if args.check:
             if current != text:
                 stale.append(name)

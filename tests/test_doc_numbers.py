@@ -18,11 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import docs_tables  # noqa: E402
+import docs_tables
 
 PAGES = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-INCLUDE = re.compile(r'^\s*--8<--\s+"(benchmarks/results/tables/[^"]+)"\s*$', re.M)
-FENCE = re.compile(r"^( *)```.*?^\1```", re.S | re.M)
+INCLUDE = re.compile(r'^\s*--8<--\s+"(benchmarks/results/tables/[^"]+)"\s*$', re.MULTILINE)
+FENCE = re.compile(r"^( *)```.*?^\1```", re.DOTALL | re.MULTILINE)
 # What a measurement looks like in prose: a decimal or ranged ratio, a ratio with "slower"/"faster", a time in
 # ms/µs or with decimals in s, a figure in dB.
 MEASUREMENT = re.compile(

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # How our messages start; a quoted paragraph starting otherwise (a table, a formula, a diagram) is not checked.
 MESSAGE_STARTS = ("FP8:", "ValueError:", "lightning_fp8:", "FP8 active:", "Parser key", "lightning_fp8.FP8Precision does")
-TEXT_BLOCK = re.compile(r"^( *)```text[^\n]*\n(.*?)^\1```", re.S | re.M)
+TEXT_BLOCK = re.compile(r"^( *)```text[^\n]*\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 
 
 def quoted_messages() -> list[tuple[str, str]]:
@@ -59,7 +59,7 @@ def as_pattern(quote: str) -> re.Pattern[str]:
             pieces.append(r"\s+")
         elif piece:
             pieces.append(re.escape(piece))
-    return re.compile("".join(pieces), re.S)
+    return re.compile("".join(pieces), re.DOTALL)
 
 
 def _value_error(fn) -> str:
