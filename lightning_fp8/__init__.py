@@ -7,11 +7,14 @@ Public API:
   statistics for a Fabric or plain PyTorch loop;
 * :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
 * :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
+* :func:`sensitivity_report`, :class:`FP8SensitivityCallback`: which layers should stay in high precision;
 * :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
+  :func:`calibrate`: fill the ``delayed`` amax histories from a few batches before training;
 * :func:`fp8_state_dict`, :func:`load_fp8_state_dict`, :func:`roll_amax_history`: the device-side
   FP8 state of a model (:mod:`lightning_fp8.state`).
 """
 
+from lightning_fp8.calibration import calibrate
 from lightning_fp8.callbacks import FP8StatsCallback
 from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to_fp8
 from lightning_fp8.gemm import gemm_path
@@ -19,6 +22,7 @@ from lightning_fp8.linear import FP8Linear
 from lightning_fp8.precision import FP8Precision
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.region import fp8_autocast, is_fp8_autocast_enabled
+from lightning_fp8.sensitivity import FP8SensitivityCallback, SensitivityReport, sensitivity_report
 from lightning_fp8.state import fp8_state_dict, load_fp8_state_dict, roll_amax_history
 from lightning_fp8.stats import FP8Stats
 
@@ -31,6 +35,9 @@ __all__ = [
     "FP8Stats",
     "FP8StatsCallback",
     "FP8Recipe",
+    "FP8SensitivityCallback",
+    "SensitivityReport",
+    "calibrate",
     "convert_from_fp8",
     "convert_to_fp8",
     "fp8_autocast",
@@ -39,4 +46,5 @@ __all__ = [
     "is_fp8_autocast_enabled",
     "load_fp8_state_dict",
     "roll_amax_history",
+    "sensitivity_report",
 ]

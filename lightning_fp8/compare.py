@@ -56,7 +56,7 @@ EMULATED_NOTE = (
     "with bf16: where bf16 matmuls are slow (CPUs without AMX or AVX-512 BF16) the emulation can even look faster."
 )
 # FP8Precision arguments that tune one recipe; dropped when a config's plugin is run under another recipe.
-_RECIPE_TUNING = ("fp8_format", "amax_compute_algo", "margin", "power_of_2_scale")
+_RECIPE_TUNING = ("fp8_format", "amax_compute_algo", "margin", "power_of_2_scale", "calibration_batches")
 # Trainer options of a config that change what a training step computes; everything else is replaced.
 _TRAINER_KEYS = ("accelerator", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
 

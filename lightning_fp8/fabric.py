@@ -75,6 +75,20 @@ log = logging.getLogger(__name__)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 PLUGIN_STATE_VERSION = 2
 
+#: Every plugin created, newest last (weak references): :func:`plugin_of` finds the one that set up a model.
+_PLUGINS: list[weakref.ReferenceType[FP8PrecisionBase]] = []
+
+
+def plugin_of(model: nn.Module) -> FP8PrecisionBase | None:
+    """The most recently created FP8 plugin that set up ``model``'s FP8 layers, if any (:func:`lightning_fp8.calibrate`
+    takes its autocast region and loss scale from it)."""
+    tables = {id(table) for table in state_tables(model)}
+    for ref in reversed(_PLUGINS):
+        plugin = ref()
+        if plugin is not None and any(id(table) in tables for table in plugin._tables):
+            return plugin
+    return None
+
 
 class FP8PrecisionBase(Precision):
     """The logic of both FP8 plugins (see the module docstring). Use :class:`FP8Precision` (Fabric) or
@@ -112,6 +126,12 @@ class FP8PrecisionBase(Precision):
             is skipped for non-finite gradients (default ``0.5``).
         growth_interval: ``GradScaler`` setting for ``"dynamic"``: consecutive clean steps before the scale
             grows (default ``2000``).
+        calibration_batches: Trainer only, ``delayed`` only: before the first training step, run the first
+            ``calibration_batches`` batches of the training dataloader through ``training_step`` in FP8, with a
+            backward and no optimizer step, to fill the amax histories with measured amaxes (see
+            :mod:`lightning_fp8.calibration`). Skipped when the histories already hold amaxes (a resume from a
+            checkpoint). Default ``0``: no calibration. Fabric has no training loop to hook into: there, call
+            :func:`lightning_fp8.calibrate` before the loop; a value > 0 on Fabric's plugin is an error.
 
     Raises:
         ValueError: for any invalid value, naming the field and the valid values.
@@ -139,6 +159,7 @@ class FP8PrecisionBase(Precision):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        calibration_batches: int = 0,
     ) -> None:
         self.recipe = FP8Recipe(
             name=recipe,
@@ -162,6 +183,7 @@ class FP8PrecisionBase(Precision):
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        self.calibration_batches = self._check_calibration_batches(calibration_batches)
         self.compute_dtype = compute_dtype
         self.exclude = list(exclude)
         self.skip_unaligned = bool(skip_unaligned)
@@ -188,6 +210,27 @@ class FP8PrecisionBase(Precision):
         self._announced = 0
         self._announced_plain = 0
         self._exclude_checked = 0
+        _PLUGINS[:] = [ref for ref in _PLUGINS if ref() is not None]
+        _PLUGINS.append(weakref.ref(self))
+
+    #: Whether this class runs ``calibration_batches`` itself (the Trainer plugin does; Fabric has no loop to hook).
+    _calibrates_before_training = False
+
+    def _check_calibration_batches(self, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"calibration_batches must be an int >= 0, got {value!r}")
+        if value and self.recipe.name != "delayed":
+            raise ValueError(
+                f"calibration_batches={value!r} has no effect with recipe={self.recipe.name!r}: only recipe='delayed' "
+                "takes its scales from the amax history that calibration fills; remove it or use recipe='delayed'"
+            )
+        if value and not self._calibrates_before_training:
+            raise ValueError(
+                f"calibration_batches={value!r} applies to the Trainer plugin (lightning_fp8.FP8Precision) only: Fabric "
+                "has no training loop to hook into. Call lightning_fp8.calibrate(model, batches, loss_fn) after "
+                "fabric.setup and before the loop."
+            )
+        return value
 
     # ------------------------------------------------------------------ what Lightning reads
     @property

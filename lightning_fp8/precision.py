@@ -3,25 +3,45 @@
 The logic lives in :class:`lightning_fp8.fabric.FP8PrecisionBase`; this class adds only the Trainer's
 hooks, as Lightning's ``TransformerEnginePrecision(Precision, FabricTEPrecision)`` does: the loss scaling
 around the closure-based ``optimizer_step``, ``pre_backward``, gradient clipping on unscaled gradients, and
-the strategy and optimizer checks. Batches reach ``training_step`` untouched.
+the strategy and optimizer checks. Batches reach ``training_step`` untouched. With ``calibration_batches``, it also
+adds a small callback that calibrates the ``delayed`` amax histories at ``on_train_start`` (the Trainer gives
+precision plugins no hook between the checkpoint restore and the first batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fp8.calibration import _loss_tensor, calibrate_with, muted_logging, preserved_loader_generators
 from lightning_fp8.fabric import FP8PrecisionBase
+from lightning_fp8.state import state_tables
 
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+
+
+class _CalibrateBeforeTraining(Callback):
+    """Added by ``FP8Precision(calibration_batches=N)``: calibrates at ``on_train_start``
+    (:meth:`FP8Precision.calibrate_before_training`). It holds no state of its own (nothing in checkpoints)."""
+
+    def __init__(self, plugin: FP8Precision) -> None:
+        self.plugin = plugin
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.precision_plugin is self.plugin:
+            self.plugin.calibrate_before_training(trainer, pl_module)
 
 
 class FP8Precision(FP8PrecisionBase, HalfPrecision):
@@ -54,13 +74,80 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
             self._forget_models()
         return super().convert_module(module)
 
+    _calibrates_before_training = True
+
     @override
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
-        """Called after the model is on its device: reject closure-driven optimizers, log the FP8 line."""
+        """Called after the model is on its device: reject closure-driven optimizers, log the FP8 line; with
+        ``calibration_batches``, add the callback that calibrates at the start of training."""
         for optimizer in optimizers:
             self._check_optimizer(optimizer)
         self.announce()
+        if self.calibration_batches:
+            self._add_calibration_callback()
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _add_calibration_callback(self) -> None:
+        """The Trainer's precision plugins have no hook between the checkpoint restore and the first training batch:
+        a callback's ``on_train_start`` is that point (after the restore, with the training dataloader set up), so the
+        plugin adds one (:class:`_CalibrateBeforeTraining`), once per Trainer."""
+        module = next((m for m in self.fp8_models if isinstance(m, pl.LightningModule)), None)
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            return
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"FP8Precision(calibration_batches={self.calibration_batches}) runs training_step for the loss, which "
+                "needs automatic optimization; with manual optimization set calibration_batches=0 and call "
+                "lightning_fp8.calibrate(model, batches, loss_fn) in on_train_start"
+            )
+        if not any(isinstance(c, _CalibrateBeforeTraining) and c.plugin is self for c in trainer.callbacks):
+            trainer.callbacks.append(_CalibrateBeforeTraining(self))
+
+    def calibrate_before_training(self, trainer: pl.Trainer, module: pl.LightningModule) -> int:
+        """Calibrate the ``delayed`` amax histories on the first ``calibration_batches`` batches of the training
+        dataloader (called at ``on_train_start``). Returns the number of batches used (0 when skipped).
+
+        Each batch is moved to the device as for training (``batch_to_device``: the module's transfer hooks) and runs
+        ``training_step(batch, batch_idx)`` inside :meth:`~lightning_fp8.fabric.FP8PrecisionBase.forward_context` with ``self.log`` muted; the returned loss
+        (divided by ``accumulate_grad_batches``, as Lightning divides it for training) is backpropagated through ``torch.autograd.grad`` (no ``.grad``, no optimizer step, no DDP gradient
+        reduction). Every DDP rank calibrates on its own batches; the amaxes are MAX-reduced as in training.
+        Skipped, with an info line, when some history already holds an amax: the state was restored from a
+        checkpoint (or an earlier fit trained this model), and calibration must not overwrite it.
+        """
+        tables = [t for t in state_tables(module) if t.recipe.name == "delayed"]
+        if not self.calibration_batches or not tables:
+            return 0
+        if any(bool(t.initialized.any()) for t in tables):  # one host read per table, before training
+            rank_zero_info(
+                "lightning_fp8: calibration skipped: the amax histories already hold measured amaxes (restored from a "
+                "checkpoint, or trained by an earlier fit)"
+            )
+            return 0
+        loader = trainer.train_dataloader
+        if loader is None:
+            return 0
+        strategy = trainer.strategy
+
+        def batches() -> Iterator[Any]:
+            for batch, _, dataloader_idx in CombinedLoader(loader, "max_size_cycle"):
+                yield strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+
+        def step(m: nn.Module, batch: Any, index: int) -> Any:
+            with muted_logging(m):
+                output = m.training_step(batch, index)
+            if output is None or trainer.accumulate_grad_batches == 1:
+                return output
+            # Lightning backpropagates training_step's loss / accumulate_grad_batches: the grad_output amaxes must be
+            # recorded in that domain, as training records them.
+            return _loss_tensor(output) / trainer.accumulate_grad_batches
+
+        with preserved_loader_generators(loader):
+            used = calibrate_with(
+                module, batches(), step, backward=True, num_batches=self.calibration_batches, precision=self
+            )
+        rank_zero_info(f"lightning_fp8: calibrated the delayed amax histories on {used} training batch(es) per rank")
+        return used
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]

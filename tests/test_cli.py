@@ -134,6 +134,7 @@ def test_every_plugin_and_callback_argument_from_yaml(cli):
                 growth_factor: 4.0
                 backoff_factor: 0.25
                 growth_interval: 100
+                calibration_batches: 2
           callbacks:
             - class_path: lightning_fp8.FP8StatsCallback
               init_args:
@@ -157,6 +158,7 @@ def test_every_plugin_and_callback_argument_from_yaml(cli):
     assert plugin.exclude == ["lm_head", "blocks.0.*"]
     # loss_scaling: true is the explicit form of "dynamic"
     assert (plugin.skip_unaligned, plugin.fp8_eval, plugin.loss_scaling) == (False, False, "dynamic")
+    assert plugin.calibration_batches == 2
     assert plugin.scaler.state_dict() == {
         "scale": 1024.0,
         "growth_factor": 4.0,
@@ -283,6 +285,7 @@ CALLBACK = "trainer:\n  callbacks:\n    - class_path: lightning_fp8.FP8StatsCall
         (PLUGIN.format("margin: -2"), ["margin must be an int >= 0, got -2"]),
         (PLUGIN.format("compute_dtype: torch.float32"), ["compute_dtype=torch.float32", "[torch.bfloat16, torch.float16]"]),
         (PLUGIN.format("backoff_factor: 2.0"), ["backoff_factor must be in (0, 1), got 2.0"]),
+        (PLUGIN.format("calibration_batches: 2"), ["calibration_batches=2 has no effect with recipe='tensorwise'"]),
         (CALLBACK.format("log_every_n_steps: 0"), ["log_every_n_steps must be None or an int >= 1, got 0"]),
         (CALLBACK.format("overflow_alert_threshold: 5"), ["overflow_alert_threshold must be in [0, 1) or None, got 5"]),
     ],

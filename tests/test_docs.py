@@ -51,7 +51,8 @@ def test_strict_build_produces_every_page(site):
              "benchmarks/index.html", "compare/index.html", "changelog/index.html", "api/index.html", "api/precision/index.html",
              "api/callbacks/index.html", "api/linear/index.html", "api/convert/index.html", "api/recipe/index.html",
              "api/state/index.html", "api/gemm/index.html", "api/distributed/index.html", "architecture/index.html",
-             "api/stats/index.html", "api/region/index.html", "api/quantize/index.html", "api/loss_scaling/index.html"]
+             "api/stats/index.html", "api/region/index.html", "api/quantize/index.html", "api/loss_scaling/index.html",
+             "sensitivity/index.html", "api/sensitivity/index.html", "api/calibration/index.html"]
     for page in pages:
         assert (site / page).is_file(), page
     assert (site / "assets" / "fp8_amax_heatmap.png").is_file()
