@@ -5,6 +5,7 @@ Public API:
 * :class:`FP8Precision`: the Trainer precision plugin (``lightning_fp8.fabric.FP8Precision`` for Fabric);
 * :class:`FP8StatsCallback`: FP8 health statistics to any Lightning logger; :class:`FP8Stats`: the same
   statistics for a Fabric or plain PyTorch loop;
+* :class:`FP8FallbackCallback`: switch layers that keep overflowing to high precision for the rest of a run;
 * :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
 * :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
 * :func:`sensitivity_report`, :class:`FP8SensitivityCallback`: which layers should stay in high precision;
@@ -17,6 +18,7 @@ Public API:
 from lightning_fp8.calibration import calibrate
 from lightning_fp8.callbacks import FP8StatsCallback
 from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to_fp8
+from lightning_fp8.fallback import FP8FallbackCallback
 from lightning_fp8.gemm import gemm_path
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.precision import FP8Precision
@@ -30,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConversionReport",
+    "FP8FallbackCallback",
     "FP8Linear",
     "FP8Precision",
     "FP8Stats",

@@ -106,6 +106,7 @@ class FP8StatsCallback(Callback):
         self._alerted: set[str] = set()
         self._heatmap_steps: list[int] = []
         self._heatmap_amax: list[list[list[float]]] = []
+        self._heatmap_layers: list[list[str]] = []  # the layers of each column (an FP8FallbackCallback drops some)
         self._logs = 0
         self._warned_no_logger = False
         self._warned_interval = False
@@ -271,12 +272,24 @@ class FP8StatsCallback(Callback):
     def _remember_heatmap(self, step: int, layers: dict[str, LayerReading]) -> None:
         if self._tail_step is not None and self._heatmap_steps and self._heatmap_steps[-1] == self._tail_step:
             # training went on after an end-of-run reading (a resumed run): keep the heatmap on the interval grid
-            del self._heatmap_steps[-1], self._heatmap_amax[-1]
+            del self._heatmap_steps[-1], self._heatmap_amax[-1], self._heatmap_layers[-1]
         self._tail_step = None
         self._heatmap_steps.append(step)
         self._heatmap_amax.append([layer.amax for layer in layers.values()])
+        self._heatmap_layers.append(list(layers))
         if len(self._heatmap_steps) > self.heatmap_max_points:
-            del self._heatmap_steps[0], self._heatmap_amax[0]
+            del self._heatmap_steps[0], self._heatmap_amax[0], self._heatmap_layers[0]
+
+    def _heatmap_grid(self) -> tuple[list[str], list[list[list[float]]]]:
+        """Rows: every layer any column has, in order of appearance; a layer missing from a column (switched to high
+        precision by an ``FP8FallbackCallback``, for example) is a blank cell there."""
+        names = list(dict.fromkeys(name for column in self._heatmap_layers for name in column))
+        blank = [math.nan] * len(ROLES)
+        grid = []
+        for column, amax in zip(self._heatmap_layers, self._heatmap_amax):
+            by_name = dict(zip(column, amax))
+            grid.append([by_name.get(name, blank) for name in names])
+        return names, grid
 
     def _log_histograms(self, trainer: pl.Trainer, layers: dict[str, LayerReading], step: int) -> None:
         for logger in trainer.loggers:
@@ -302,7 +315,8 @@ class FP8StatsCallback(Callback):
             return []
         import matplotlib.pyplot as plt
 
-        fig = amax_heatmap_figure(self.layer_names, self._heatmap_steps, self._heatmap_amax)
+        names, grid = self._heatmap_grid()
+        fig = amax_heatmap_figure(names, self._heatmap_steps, grid)
         paths: list[str] = []
         directories = []
         for logger in trainer.loggers:
@@ -373,6 +387,7 @@ class FP8StatsCallback(Callback):
             "alerted": sorted(self._alerted),
             "heatmap_steps": self._heatmap_steps,
             "heatmap_amax": self._heatmap_amax,
+            "heatmap_layers": self._heatmap_layers,
             "layer_names": self.layer_names,
             "logs": self._logs,
             "tail_step": self._tail_step,
@@ -395,5 +410,7 @@ class FP8StatsCallback(Callback):
         self._heatmap_steps = state_dict["heatmap_steps"]
         self._heatmap_amax = state_dict["heatmap_amax"]
         self.layer_names = state_dict["layer_names"]
+        # written before the columns carried their layers: every column had the layers of the last reading
+        self._heatmap_layers = state_dict.get("heatmap_layers") or [list(self.layer_names) for _ in self._heatmap_steps]
         self._logs = state_dict["logs"]
         self._tail_step = state_dict.get("tail_step")

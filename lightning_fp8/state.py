@@ -445,6 +445,13 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = 
         if missing or unexpected:
             raise ValueError(
                 f"FP8 state does not match the model's FP8 layers: missing {missing}, unexpected {unexpected}"
+                + (
+                    ". Layers in FP8 here but not in the checkpoint were kept in high precision when it was saved (an "
+                    "`exclude` pattern, or switched by FP8FallbackCallback): resume with the same `exclude`, or with "
+                    "FP8FallbackCallback, which switches them again before training"
+                    if missing
+                    else ""
+                )
             )
     plan: list[tuple[dict[str, Any], dict[int, tuple[FP8StateTable, list[int], list[int]]]]] = []
     for saved in state["tables"]:
