@@ -36,11 +36,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lightning_fp8.callbacks import FP8StatsCallback
 from lightning_fp8.convert import convert_from_fp8
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.module import FP8Module
 from lightning_fp8.recipe import ROLES
-from lightning_fp8.stats import FP8Stats, LayerReading
+from lightning_fp8.stats import SWITCHED_BY_FALLBACK, FP8Stats, LayerReading
 
 TROUBLESHOOTING = "docs/troubleshooting.md"
 
@@ -92,6 +93,7 @@ class FP8FallbackCallback(Callback):
         self._stats = FP8Stats(None)
         self._bad: dict[str, int] = {}  # consecutive bad readings per layer
         self._last_read_step = -1
+        self._missing_warned: set[str] = set()
 
     @property
     def fetches(self) -> int:
@@ -100,8 +102,9 @@ class FP8FallbackCallback(Callback):
 
     @property
     def exclude(self) -> list[str]:
-        """The names of the switched layers: the ``exclude`` list for ``FP8Precision`` next time."""
-        return list(self.fallen_back)
+        """The names of the switched layers: the ``exclude`` list for ``FP8Precision`` next time (a name the model no
+        longer has is left out: as a pattern it would match nothing, which is an error at setup)."""
+        return [name for name in self.fallen_back if name not in self._missing_warned]
 
     # ------------------------------------------------------------------ helpers
     def _every(self, trainer: pl.Trainer) -> int:
@@ -132,7 +135,7 @@ class FP8FallbackCallback(Callback):
                 for names in (report.converted, report.already_fp8):
                     if local in names:
                         names.remove(local)
-                report.skipped[local] = f"switched to high precision by FP8FallbackCallback: {reason}"
+                report.skipped[local] = f"{SWITCHED_BY_FALLBACK}: {reason}"
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -140,12 +143,42 @@ class FP8FallbackCallback(Callback):
         before the plugin restores its FP8 state (which holds no state for them)."""
         self._stats.source = self._source(trainer, pl_module)
         self._restore_fallbacks(trainer)
+        self._check_order(trainer)
+
+    def _check_order(self, trainer: pl.Trainer) -> None:
+        """Both callbacks read at the end of the same steps; run after this one, ``FP8StatsCallback`` would read a
+        layer switched on that step no more, and the interval that caused the switch would be missing from its
+        metrics, alerts and summary."""
+        position = next(i for i, c in enumerate(trainer.callbacks) if c is self)
+        later = [c for c in trainer.callbacks[position + 1 :] if isinstance(c, FP8StatsCallback)]
+        if later:
+            rank_zero_warn(
+                "FP8FallbackCallback is listed before FP8StatsCallback: the statistics of the interval that makes a "
+                "layer switch would be lost. List FP8StatsCallback first: callbacks=[FP8StatsCallback(...), "
+                "FP8FallbackCallback(...)]."
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stats.source = self._source(trainer, pl_module)
         self._restore_fallbacks(trainer)  # nothing left to do after on_fit_start, unless the strategy restores late
         if not self._stats.has_baseline:
             self._stats.take_baseline()  # before the first step: one host copy
+
+    def _switch_again(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``trainer.validate`` / ``test`` / ``predict`` (after a fit, or from a checkpoint) run the plugin's
+        ``convert_module`` again, which turns the switched layers back into FP8 with fresh state: switch them again
+        before the first batch, so that the model is evaluated with the numerics it was trained with."""
+        self._stats.source = self._source(trainer, pl_module)
+        self._restore_fallbacks(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch_again(trainer, pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch_again(trainer, pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch_again(trainer, pl_module)
 
     def _restore_fallbacks(self, trainer: pl.Trainer) -> None:
         if not self.fallen_back:
@@ -154,6 +187,9 @@ class FP8FallbackCallback(Callback):
         for name, info in self.fallen_back.items():
             module = modules.get(name)
             if module is None:
+                if name in self._missing_warned:
+                    continue
+                self._missing_warned.add(name)
                 rank_zero_warn(
                     f"FP8FallbackCallback: the checkpoint lists layer {name!r} as switched to high precision, but the "
                     "model has no such module; nothing to switch."

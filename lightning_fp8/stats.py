@@ -60,6 +60,8 @@ from lightning_fp8.state import NONZERO, OVERFLOW, SEEN, UNDERFLOW, FP8StateTabl
 
 _N_ROLES = len(ROLES)
 _N_COUNTS = 4
+#: How the conversion report's ``skipped`` reason of a layer switched by ``FP8FallbackCallback`` starts.
+SWITCHED_BY_FALLBACK = "switched to high precision by FP8FallbackCallback"
 
 
 @dataclass
@@ -196,6 +198,8 @@ class FP8Stats:
                 high = [name for name in kept if fnmatch.fnmatchcase(name, pattern)]
                 if high and field == "exclude":
                     continue  # redundant with the plugin's own exclusion: that layer is not reported anyway
+                if high and all(kept[name].startswith(SWITCHED_BY_FALLBACK) for name in high):
+                    continue  # it named an FP8 layer until an FP8FallbackCallback switched it (a resumed run)
                 if high:
                     hint = "; ".join(f"{name!r} is not an FP8 layer ({kept[name]})" for name in high[:3])
                 else:

@@ -60,12 +60,16 @@ class Probe(L.Callback):
         self.at_end[trainer.global_step] = isinstance(pl_module.mid, FP8Linear)
 
 
-def fit(tmp_path, callback, steps, ckpt_path=None, **kwargs):
+def fit(tmp_path, callback, steps, ckpt_path=None, callbacks_extra=(), **kwargs):
     torch.manual_seed(0)
     model = Planted()
     probe = Probe()
     trainer = make_trainer(
-        FP8Precision(recipe="delayed"), callbacks=[callback, probe], max_steps=steps, default_root_dir=tmp_path, **kwargs
+        FP8Precision(recipe="delayed"),
+        callbacks=[callback, probe, *callbacks_extra],
+        max_steps=steps,
+        default_root_dir=tmp_path,
+        **kwargs,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -211,8 +215,8 @@ def test_with_the_stats_callback_a_fallen_back_layer_leaves_a_gap_in_the_heatmap
         tmp_path, FP8FallbackCallback(every_n_steps=2, patience=2), 14, logger=CSVLogger(tmp_path)
     )
     assert any("mid" in m for m in messages) and not isinstance(model.mid, FP8Linear)
-    stats_run = make_trainer(FP8Precision(recipe="delayed"), callbacks=[FP8FallbackCallback(every_n_steps=2, patience=2),
-                             stats], max_steps=14, default_root_dir=tmp_path, logger=CSVLogger(tmp_path))
+    stats_run = make_trainer(FP8Precision(recipe="delayed"), callbacks=[stats, FP8FallbackCallback(every_n_steps=2,
+                             patience=2)], max_steps=14, default_root_dir=tmp_path, logger=CSVLogger(tmp_path))
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -225,3 +229,72 @@ def test_with_the_stats_callback_a_fallen_back_layer_leaves_a_gap_in_the_heatmap
     fresh = FP8StatsCallback()
     fresh.load_state_dict(state)
     assert fresh.state_dict()["heatmap_layers"] == state["heatmap_layers"]
+
+
+class PlantedEval(Planted):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_in_eval = type(self.mid)
+        return F.cross_entropy(self.out(torch.relu(self.mid(torch.relu(self.inp(x))))).float(), y)
+
+
+def test_validate_after_fit_keeps_switched_layers_in_high_precision(tmp_path):
+    """trainer.validate / test / predict after fit run the plugin's convert_module again: a switched layer must not
+    silently come back in FP8 (with fresh state) for the evaluation."""
+    callback = FP8FallbackCallback(every_n_steps=2, patience=2)
+    torch.manual_seed(0)
+    model = PlantedEval()
+    trainer = make_trainer(FP8Precision(recipe="delayed"), callbacks=[callback], max_steps=10, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader())
+    assert list(callback.fallen_back) == ["mid"] and type(model.mid) is nn.Linear
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.validate(model, loader())
+    assert model.seen_in_eval is nn.Linear
+    assert type(model.mid) is nn.Linear
+    assert "mid" in trainer.precision_plugin.report.skipped and "mid" not in trainer.precision_plugin.report.fp8_layers
+
+
+def test_stats_include_pattern_of_a_switched_layer_is_no_error_on_resume(tmp_path):
+    """An FP8StatsCallback include pattern that matched the switched layer was valid in the run that switched it: the
+    resumed run (where the fallback switches it at on_fit_start) must not refuse it."""
+    from lightning_fp8 import FP8StatsCallback
+
+    callback = FP8FallbackCallback(every_n_steps=2, patience=2)
+    trainer, _, _, _ = fit(tmp_path, callback, steps=9)
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    stats = FP8StatsCallback(log_every_n_steps=2, include=["mid"], summary=False)
+    trainer, model, _, _ = fit(tmp_path, FP8FallbackCallback(every_n_steps=2, patience=2), 12, ckpt_path=path,
+                               callbacks_extra=[stats])
+    assert type(model.mid) is nn.Linear and trainer.global_step == 12
+
+
+@pytest.mark.parametrize("stats_first", [True, False])
+def test_listed_before_the_stats_callback_it_warns(tmp_path, stats_first):
+    """Both read at the end of the same steps: the stats callback must read before a layer is switched."""
+    from lightning_fp8 import FP8StatsCallback
+
+    callbacks = [FP8StatsCallback(), FP8FallbackCallback()]
+    trainer = make_trainer(FP8Precision(recipe="delayed"), callbacks=callbacks if stats_first else callbacks[::-1],
+                           max_steps=1, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Planted(), loader())
+    order = [str(w.message) for w in caught if "List FP8StatsCallback first" in str(w.message)]
+    assert len(order) == (0 if stats_first else 1)
+
+
+def test_a_switched_layer_the_model_no_longer_has_is_left_out_of_the_exclude_advice(tmp_path):
+    callback = FP8FallbackCallback()
+    state = callback.state_dict()
+    state["fallen_back"] = {"ghost": {"step": 4, "reason": "overflow", "value": 0.5}}
+    callback.load_state_dict(state)
+    trainer = make_trainer(FP8Precision(recipe="delayed"), callbacks=[callback], max_steps=1, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Planted(), loader())
+    assert any("'ghost'" in str(w.message) and "no such module" in str(w.message) for w in caught)
+    assert callback.exclude == []  # FP8Precision(exclude=['ghost']) would fail at setup: no such layer
