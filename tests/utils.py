@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import lightning as L
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,8 +28,10 @@ class SyncCounter(TorchDispatchMode):
 
 
 def make_trainer(plugin=None, **kwargs) -> L.Trainer:
-    """A quiet CPU Trainer: no progress bar, summary, checkpointing, sanity check, or logger unless given."""
+    """A quiet CPU Trainer: no progress bar, summary, checkpointing, sanity check, or logger unless given; its
+    ``default_root_dir`` is a fresh temporary folder unless given (end-of-fit files never land in the checkout)."""
     defaults = dict(
+        default_root_dir=tempfile.mkdtemp(prefix="lightning_fp8_test_"),
         accelerator="cpu",
         devices=1,
         logger=False,
