@@ -40,6 +40,13 @@ TROUBLESHOOTING = "docs/troubleshooting.md"
 HEATMAP_FILE = "fp8_amax_heatmap.png"
 
 
+def stats_source(trainer: pl.Trainer, pl_module: torch.nn.Module) -> Any:
+    """What a callback's ``FP8Stats`` reads: the Trainer's FP8 precision plugin (its models, loss scale and skipped
+    steps), or the LightningModule itself when the Trainer runs another precision."""
+    plugin = trainer.precision_plugin
+    return plugin if isinstance(plugin, FP8PrecisionBase) else pl_module
+
+
 class FP8StatsCallback(Callback):
     """Log FP8 statistics (amax, scale, overflow/underflow fractions, loss scale, skipped steps).
 
@@ -121,17 +128,13 @@ class FP8StatsCallback(Callback):
     def _total_counts(self) -> dict[str, list[list[float]]]:
         return self._stats.total_counts
 
-    def _source(self, trainer: pl.Trainer, pl_module: torch.nn.Module) -> Any:
-        plugin = trainer.precision_plugin
-        return plugin if isinstance(plugin, FP8PrecisionBase) else pl_module
-
     # ------------------------------------------------------------------ hooks
     def _every(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps or max(1, trainer.log_every_n_steps or 1)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The models are converted by now: check the ``include`` / ``exclude`` patterns against their FP8 layers."""
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         self._check_patterns(trainer)
 
     def _check_patterns(self, trainer: pl.Trainer) -> None:
@@ -172,7 +175,7 @@ class FP8StatsCallback(Callback):
         )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         self._warn_if_interval_exceeds_run(trainer)
         if not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
@@ -208,7 +211,7 @@ class FP8StatsCallback(Callback):
         """Read, reduce, copy once and log the statistics now; returns the metrics (``/``-separated names).
 
         ``step``: the logger step (default: the step axis of Lightning's metrics of the current batch)."""
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         reading = self._stats.read()
         if reading is None:
             return {}

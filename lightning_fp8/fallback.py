@@ -36,7 +36,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_fp8.callbacks import FP8StatsCallback
+from lightning_fp8.callbacks import FP8StatsCallback, stats_source
 from lightning_fp8.convert import convert_from_fp8
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.module import FP8Module
@@ -110,10 +110,6 @@ class FP8FallbackCallback(Callback):
     def _every(self, trainer: pl.Trainer) -> int:
         return self.every_n_steps or max(1, trainer.log_every_n_steps or 1)
 
-    def _source(self, trainer: pl.Trainer, pl_module: nn.Module) -> Any:
-        plugin = trainer.precision_plugin
-        return plugin if isinstance(plugin, FP8PrecisionBase) else pl_module
-
     def _modules(self) -> dict[str, nn.Module]:
         """Every module of the source's models, by the name FP8Stats gives it (prefix + qualified name)."""
         models = self._stats._models()
@@ -141,7 +137,7 @@ class FP8FallbackCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The model is converted by now and the callback state restored: switch the layers of a resumed run back
         before the plugin restores its FP8 state (which holds no state for them)."""
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         self._restore_fallbacks(trainer)
         self._check_order(trainer)
 
@@ -159,7 +155,7 @@ class FP8FallbackCallback(Callback):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         self._restore_fallbacks(trainer)  # nothing left to do after on_fit_start, unless the strategy restores late
         if not self._stats.has_baseline:
             self._stats.take_baseline()  # before the first step: one host copy
@@ -168,7 +164,7 @@ class FP8FallbackCallback(Callback):
         """``trainer.validate`` / ``test`` / ``predict`` (after a fit, or from a checkpoint) run the plugin's
         ``convert_module`` again, which turns the switched layers back into FP8 with fresh state: switch them again
         before the first batch, so that the model is evaluated with the numerics it was trained with."""
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         self._restore_fallbacks(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -214,7 +210,7 @@ class FP8FallbackCallback(Callback):
 
     def check_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:
         """Take one reading (on every rank) and switch the layers bad for ``patience`` readings; returns their names."""
-        self._stats.source = self._source(trainer, pl_module)
+        self._stats.source = stats_source(trainer, pl_module)
         reading = self._stats.read()
         if reading is None:
             return []

@@ -82,7 +82,8 @@ from torch import Tensor, nn
 from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
-from lightning_fp8.convert import _skip_reason, convert_from_fp8, convert_to_fp8
+from lightning_fp8.calibration import muted_logging, preserved_loader_generators
+from lightning_fp8.convert import _device_of, _skip_reason, convert_from_fp8, convert_to_fp8
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.region import fp8_autocast
 from lightning_fp8.state import COUNT_FIELDS, roll_amax_history
@@ -410,12 +411,6 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    return torch.device("cpu")
 
 
 def _linear_layers(model: nn.Module, skip_unaligned: bool) -> tuple[dict[str, nn.Linear], dict[str, str]]:
@@ -789,7 +784,6 @@ class FP8SensitivityCallback(Callback):
             compute_dtype = plugin.compute_dtype
             skip_unaligned = plugin.skip_unaligned  # the layers the plugin runs in FP8 are the ones measured
         devices = [trainer.strategy.root_device] if trainer.strategy.root_device.type == "cuda" else []
-        from lightning_fp8.calibration import preserved_loader_generators
 
         # an extra iterator must not shift the training's random state, nor a loader's own generator (data order)
         with torch.random.fork_rng(devices=devices), preserved_loader_generators(trainer.train_dataloader):
@@ -840,12 +834,7 @@ def _training_step(trainer: pl.Trainer) -> Callable[[nn.Module, Any], Any]:
     def step(module: nn.Module, batch: Any) -> Any:
         if getattr(module, "_trainer", None) is None and isinstance(module, pl.LightningModule):
             module._trainer = trainer
-            module.log = _ignore  # type: ignore[method-assign]
-            module.log_dict = _ignore  # type: ignore[method-assign]
-        return module.training_step(batch, 0)  # type: ignore[operator]
+        with muted_logging(module):
+            return module.training_step(batch, 0)  # type: ignore[operator]
 
     return step
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
