@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_fp8 import FP8Stats
 from lightning_fp8.fabric import FP8Precision
+from lightning_fp8.recipe import RECIPES
 
 CONTEXT = 32  # bytes of context per prediction
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--recipe", default="delayed", choices=["tensorwise", "delayed", "rowwise"])
+    parser.add_argument("--recipe", default="delayed", choices=list(RECIPES))
     parser.add_argument("--checkpoint", default="fabric_fp8.ckpt", help="where to save at the end")
     parser.add_argument("--resume", default=None, help="checkpoint to continue from")
     parser.add_argument("--log-dir", default="fabric_fp8_logs", help="where the CSV logger writes metrics.csv")

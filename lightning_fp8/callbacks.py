@@ -33,8 +33,9 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.heatmap import amax_heatmap_figure, finite_positive
+from lightning_fp8.quantize import AMAX_BIN_HIGH
 from lightning_fp8.recipe import ROLES
-from lightning_fp8.stats import FP8Stats, LayerReading
+from lightning_fp8.stats import FP8Stats, LayerReading, amax_bin_edges
 
 TROUBLESHOOTING = "docs/troubleshooting.md"
 HEATMAP_FILE = "fp8_amax_heatmap.png"
@@ -311,6 +312,36 @@ class FP8StatsCallback(Callback):
                         import wandb
 
                         logger.experiment.log({tag: wandb.Histogram(values), "trainer/global_step": step})
+                    if layer.amax_bins:
+                        self._log_block_amax(logger, kind, f"fp8/{name}/{role}/block_amax_log2", layer.amax_bins[r], step)
+
+    @staticmethod
+    def _log_block_amax(logger: Any, kind: str, tag: str, histogram: list[float], step: int) -> None:
+        """The histogram of the row / block amaxes since the start (finite, non-zero ones), over log2(amax)."""
+        edges = [math.log2(e) for e in amax_bin_edges()[1:-1]] + [AMAX_BIN_HIGH + 1.0]  # bins 1 .. N-2
+        counts = histogram[1:-1]
+        used = [i for i, c in enumerate(counts) if c > 0]
+        if not used:
+            return
+        lo, hi = used[0], used[-1] + 1
+        counts, edges = counts[lo:hi], edges[lo : hi + 1]
+        if kind == "TensorBoardLogger":
+            mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+            logger.experiment.add_histogram_raw(
+                tag,
+                min=edges[0],
+                max=edges[-1],
+                num=int(sum(counts)),
+                sum=sum(c * m for c, m in zip(counts, mids)),
+                sum_squares=sum(c * m * m for c, m in zip(counts, mids)),
+                bucket_limits=edges[1:],
+                bucket_counts=counts,
+                global_step=step,
+            )
+        else:
+            import wandb
+
+            logger.experiment.log({tag: wandb.Histogram(np_histogram=(counts, edges)), "trainer/global_step": step})
 
     def _log_heatmap(self, trainer: pl.Trainer, step: int, final: bool) -> list[str]:
         """Send the heatmap to loggers with media support and save the PNG where there is a directory."""

@@ -1,4 +1,10 @@
-"""FP8 x FP8 -> high-precision GEMM: ``torch._scaled_mm`` on FP8 hardware, exact emulation elsewhere.
+"""FP8 x FP8 -> high-precision GEMM: ``torch.nn.functional.scaled_mm`` on FP8 hardware, exact emulation elsewhere.
+
+The native path calls PyTorch's public ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm`` on a torch
+without it) with the scaling type of the recipe: ``TensorWise``, ``RowWise``, ``BlockWise1x128`` /
+``BlockWise128x128`` (``blockwise``; CUDA compute capability 9.x and CUDA 12.9+, as PyTorch's kernel
+requires) or ``BlockWise1x32`` with swizzled E8M0 scales (``mxfp8``; compute capability 10.0+).
+:func:`gemm_path` says which path a recipe takes on a device.
 
 Operands follow ``torch._scaled_mm``'s contract (the *CUDA* one, which is stricter than the CPU
 kernel's): ``a`` is ``(M, K)`` row-major, ``b`` is ``(K, N)`` column-major, both FP8 and not both
@@ -20,6 +26,14 @@ share) and in ``use_fast_accum`` (CUDA's faster, less precise accumulation of th
 the emulation does not imitate). For ``rowwise`` the CUDA kernel only outputs bfloat16; callers then
 convert to their dtype, as on CUDA. The float32 product is also the fast choice on CPUs without bf16
 matrix units (on the AVX2 machines of this project's CI a float32 GEMM is ~150x faster than a bf16 one).
+
+Block-scaled GEMMs (:func:`fp8_block_mm`) cannot apply their scales after one product: the hardware
+multiplies each K-block's partial sum by that block's two decoding scales. The emulation dequantizes each
+operand in float32 (``fp8 * (1 / scale)`` per block: exact for the power-of-two ``mxfp8`` scales, one
+float32 rounding per element for float32 ``blockwise`` scales) and multiplies in float32, then rounds once
+to bfloat16 (the block kernels' output dtype). The operands are padded along K to whole blocks and the
+scales are laid out as the CUDA kernel wants them (column-major, padded, swizzled, E8M0) on every device,
+so :func:`check_scaled_mm_contract` checks on the CPU what the kernel would reject.
 """
 
 from __future__ import annotations
@@ -31,42 +45,82 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_fp8.recipe import E4M3, E5M2
+from lightning_fp8.quantize import blocked
+from lightning_fp8.recipe import BLOCKWISE_TILE, E4M3, E5M2, MX_BLOCK
 
 log = logging.getLogger(__name__)
 
 GemmPath = Literal["native", "emulated"]
 _FP8_DTYPES = (E4M3, E5M2)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The public scaled GEMM of torch 2.10+ (``torch._scaled_mm`` is the fallback on older torch).
+_PUBLIC_SCALED_MM = getattr(F, "scaled_mm", None)
+_ScalingType = getattr(F, "ScalingType", None)
+_SwizzleType = getattr(F, "SwizzleType", None)
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+#: What a recipe's GEMMs need natively: ``(minimum compute capability, maximum major or None, minimum CUDA)``.
+_NATIVE_NEEDS: dict[str, tuple[tuple[int, int], int | None, tuple[int, int]]] = {
+    "tensor": ((8, 9), None, (0, 0)),
+    "row": ((8, 9), None, (0, 0)),
+    "blockwise": ((9, 0), 9, (12, 9)),  # PyTorch's 1x128 / 128x128 kernel: Hopper only, cuBLAS 12.9+
+    "mxfp8": ((10, 0), None, (12, 8)),  # MX block scaling: Blackwell tensor cores
+}
+_RECIPE_KIND = {"tensorwise": "tensor", "delayed": "tensor", "rowwise": "row", "blockwise": "blockwise", "mxfp8": "mxfp8"}
 
 
 def scaled_mm_out_dtype(requested: torch.dtype, rowwise: bool) -> torch.dtype:
     """The output dtype to ask the FP8 GEMM for, given the dtype the caller wants.
 
-    Row-wise scaling produces bfloat16 only (CUDA's kernel); otherwise the requested dtype if the GEMM
-    can output it (float32, bfloat16, float16), else float32 (e.g. for float64 parameters). Callers
-    convert the result to their dtype.
+    Row-wise and block scaling (``rowwise=True``) produce bfloat16 only (CUDA's kernels); otherwise the
+    requested dtype if the GEMM can output it (float32, bfloat16, float16), else float32 (e.g. for float64
+    parameters). Callers convert the result to their dtype.
     """
     if rowwise:
         return torch.bfloat16
     return requested if requested in _OUT_DTYPES else torch.float32
 
 
-def gemm_path(device: torch.device | str) -> GemmPath:
-    """``"native"`` (``torch._scaled_mm``) on CUDA devices with compute capability 8.9+, else ``"emulated"``."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if torch.cuda.get_device_capability(index) >= (8, 9):
-            return "native"
-    return "emulated"
+def _cuda_version() -> tuple[int, int]:
+    try:
+        major, minor = (torch.version.cuda or "0.0").split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
 
 
-def describe_gemm_path(device: torch.device | str) -> str:
-    """One human-readable line naming the GEMM path for ``device``."""
+def gemm_path(device: torch.device | str, recipe: str = "tensorwise") -> GemmPath:
+    """``"native"`` where the device runs ``recipe``'s FP8 GEMMs in hardware, else ``"emulated"``.
+
+    Native: per-tensor and row-wise scaling on CUDA compute capability 8.9+; ``blockwise`` on 9.x with CUDA
+    12.9+ (PyTorch's DeepSeek-style kernel exists for Hopper only); ``mxfp8`` on 10.0+ (Blackwell).
+    """
     device = torch.device(device)
-    if gemm_path(device) == "native":
-        return f"native FP8 GEMM (torch._scaled_mm) on {device}"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "emulated"
+    low, max_major, cuda = _NATIVE_NEEDS[_RECIPE_KIND.get(recipe, "tensor")]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    if capability < low or (max_major is not None and capability[0] > max_major) or _cuda_version() < cuda:
+        return "emulated"
+    if recipe in ("blockwise", "mxfp8") and _PUBLIC_SCALED_MM is None:
+        return "emulated"
+    return "native"
+
+
+def describe_gemm_path(device: torch.device | str, recipe: str = "tensorwise") -> str:
+    """One human-readable line naming the GEMM path of ``recipe`` on ``device``."""
+    device = torch.device(device)
+    api = "torch.nn.functional.scaled_mm" if _PUBLIC_SCALED_MM is not None else "torch._scaled_mm"
+    if gemm_path(device, recipe) == "native":
+        return f"native FP8 GEMM ({api}) on {device}"
+    if recipe in ("blockwise", "mxfp8"):
+        need = "compute capability 9.x and CUDA 12.9+" if recipe == "blockwise" else "compute capability 10.0+"
+        return (
+            f"emulated block-scaled FP8 GEMM on {device} (the FP8 casts as on FP8 hardware; each operand dequantized "
+            "block by block in float32, float32 product and accumulation, one rounding to bfloat16; slower than "
+            f"bf16: the native {recipe} GEMM needs {need})"
+        )
     return (
         f"emulated FP8 GEMM on {device} (the FP8 casts as on FP8 hardware; products of the FP8 values in float32 "
         "with float32 accumulation, scales applied to the float32 result, one rounding to the output dtype; "
@@ -142,17 +196,31 @@ def fp8_mm(
     scale_b: Tensor,
     out_dtype: torch.dtype,
     use_fast_accum: bool = False,
+    block_a: tuple[int, int] | None = None,
+    block_b: tuple[int, int] | None = None,
 ) -> Tensor:
     """``(a / scale_a) @ (b / scale_b)`` in ``out_dtype``, for FP8 ``a`` (M, K) and ``b`` (K, N).
 
     ``scale_a`` and ``scale_b`` are *quantization* scales (``fp8 = x * scale``); their reciprocals are
-    what ``torch._scaled_mm`` applies. ``a`` must be row-major and ``b`` column-major.
+    what the scaled GEMM applies. ``a`` must be row-major and ``b`` column-major. With ``block_a`` and
+    ``block_b`` (the block shapes in ``a``'s and ``b``'s own layouts), the scales are per block:
+    :func:`fp8_block_mm`.
     """
+    if block_a is not None or block_b is not None:
+        if block_a is None or block_b is None:
+            raise ValueError("a block-scaled GEMM needs the block shape of both operands")
+        return fp8_block_mm(a, b, scale_a, scale_b, block_a, block_b, out_dtype, use_fast_accum)
     a, b, scale_b, n = _pad_to_contract(a, b, scale_b)
     inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
     check_scaled_mm_contract(a, b, inv_a, inv_b, out_dtype)
     if gemm_path(a.device) == "native":
-        out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        if _PUBLIC_SCALED_MM is not None and _ScalingType is not None:
+            kind = _ScalingType.TensorWise if inv_a.numel() == 1 and inv_b.numel() == 1 else _ScalingType.RowWise
+            out = _PUBLIC_SCALED_MM(
+                a, b, inv_a, kind, inv_b, kind, output_dtype=out_dtype, use_fast_accum=use_fast_accum
+            )
+        else:
+            out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     else:
         out = emulated_scaled_mm(a, b, inv_a, inv_b, out_dtype)
     return out[:, :n] if out.shape[1] != n else out
@@ -169,3 +237,177 @@ def emulated_scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_d
     if inv_a.numel() == 1 and inv_b.numel() == 1:
         return (product * (inv_a * inv_b)).to(out_dtype)  # one alpha, as cuBLAS applies it
     return (product * inv_a * inv_b).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- block scaling
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _scaling_kind(block: tuple[int, int], operand: str) -> str:
+    """The kernel's name of a block shape: ``a``'s blocks are in (M, K) layout, ``b``'s in (K, N) layout."""
+    along_k = block if operand == "a" else (block[1], block[0])  # (rows, K) in the kernel's "outer x K" terms
+    names = {(1, BLOCKWISE_TILE): "1x128", (BLOCKWISE_TILE, BLOCKWISE_TILE): "128x128", (1, MX_BLOCK): "1x32"}
+    if along_k not in names:
+        raise ScaledMMContractError(
+            f"scaled GEMM contract: no kernel scales operand {operand} by blocks of {block} (supported: 1x128 and "
+            "128x128 tiles along K, 1x32 MX blocks along K)"
+        )
+    return names[along_k]
+
+
+#: The pairs of block scalings PyTorch's CUDA kernels accept (``a``, ``b``).
+_NATIVE_BLOCK_PAIRS = {("1x128", "128x128"), ("128x128", "1x128"), ("1x128", "1x128"), ("1x32", "1x32")}
+
+
+def swizzle_mx_scales(scale: Tensor) -> Tensor:
+    """Lay out a ``(rows, K / 32)`` matrix of MX scales as cuBLAS's block-scaling kernels read them
+    (``SwizzleType.SWIZZLE_32_4_4``): padded to 128-row by 4-column tiles, tiles in row-major order, and inside
+    each 128x4 tile element ``(r, c)`` at ``(r % 32) * 16 + (r // 32) * 4 + c``. Returns a flat contiguous tensor
+    of ``round_up(rows, 128) * round_up(K / 32, 4)`` elements.
+
+    Written here rather than taken from torchao: the layout is NVIDIA's documented one and torchao has it only
+    in a prototype module whose import pulls in its CUDA extensions.
+    """
+    rows, cols = scale.shape
+    padded_rows, padded_cols = _round_up(rows, 128), _round_up(cols, 4)
+    if (padded_rows, padded_cols) != (rows, cols):
+        scale = F.pad(scale, (0, padded_cols - cols, 0, padded_rows - rows), value=1.0)
+    tiles = scale.reshape(padded_rows // 128, 4, 32, padded_cols // 4, 4)  # (row tile, r // 32, r % 32, col tile, c)
+    return tiles.permute(0, 3, 2, 1, 4).contiguous().reshape(-1)
+
+
+def _native_block_scale(inv: Tensor, kind: str, operand: str, k_blocks: int) -> Tensor:
+    """A decoding-scale matrix in our layout (``a``: (M-blocks, K-blocks); ``b``: (K-blocks, N-blocks)) laid out
+    as PyTorch's CUDA kernel wants it (see the module docstring)."""
+    if operand == "b":
+        inv = inv.t()  # (N-side, K-blocks) like a's
+    if kind == "1x128":
+        return inv.t().contiguous().t()  # (outer, K-blocks), strides (1, outer)
+    if kind == "128x128":
+        rows = _round_up(k_blocks, 4)
+        padded = F.pad(inv, (0, rows - inv.shape[1]), value=1.0).contiguous()  # (outer-blocks, round_up(K-blocks, 4))
+        return padded.t()  # (round_up(K-blocks, 4), outer-blocks), strides (1, round_up(K-blocks, 4))
+    # 1x32: E8M0, swizzled
+    assert E8M0 is not None
+    return swizzle_mx_scales(inv).to(E8M0)
+
+
+def check_block_scaled_mm_contract(
+    a: Tensor, b: Tensor, scale_a: Tensor, kind_a: str, scale_b: Tensor, kind_b: str, out_dtype: torch.dtype
+) -> None:
+    """Assert the CUDA block-scaled GEMM's operand contract (metadata only) on operands and *kernel-layout* scales.
+
+    ``kind_a``/``kind_b``: ``"1x128"``, ``"128x128"`` or ``"1x32"``. Checks what PyTorch's CUDA kernels check: the
+    pair of scalings, the operand layouts and dtypes, and the scales' dtype, shape and strides (DeepSeek-style
+    float32 scales: outer-dimension-major, the 128x128 ones padded to a multiple of 4 K-blocks; MX: E8M0,
+    swizzled, ``round_up(rows, 128) * round_up(K / 32, 4)`` elements, contiguous).
+    """
+
+    def fail(msg: str) -> None:
+        raise ScaledMMContractError(
+            f"scaled GEMM contract ({kind_a} x {kind_b}): {msg} (a {tuple(a.shape)} {a.dtype} stride {a.stride()}, "
+            f"b {tuple(b.shape)} {b.dtype} stride {b.stride()}, scale_a {tuple(scale_a.shape)} {scale_a.dtype} stride "
+            f"{scale_a.stride()}, scale_b {tuple(scale_b.shape)} {scale_b.dtype} stride {scale_b.stride()})"
+        )
+
+    if (kind_a, kind_b) not in _NATIVE_BLOCK_PAIRS:
+        fail(f"no kernel for this pair (supported: {sorted(_NATIVE_BLOCK_PAIRS)})")
+    if a.dim() != 2 or b.dim() != 2:
+        fail("operands must be 2-D")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        fail("inner dimensions differ")
+    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
+        fail("operands must be float8_e4m3fn or float8_e5m2")
+    if a.stride(1) != 1 or (m > 1 and a.stride(0) != k):
+        fail("a must be row-major")
+    if b.stride(0) != 1 or (n > 1 and b.stride(1) != k):
+        fail("b must be column-major")
+    if k % 16 or n % 16:
+        fail("K and N must be multiples of 16")
+    if kind_a == "1x32":
+        if a.dtype == E5M2 and b.dtype == E5M2:
+            fail("E5M2 x E5M2 is not supported")
+        if k % MX_BLOCK:
+            fail("K must be a multiple of 32 (whole MX blocks)")
+        for name, scale, outer in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+            if scale.dtype != E8M0:
+                fail(f"{name} must be float8_e8m0fnu (E8M0)")
+            want = _round_up(outer, 128) * _round_up(k // MX_BLOCK, 4)
+            if scale.numel() != want or not scale.is_contiguous():
+                fail(f"{name} must be swizzled (SWIZZLE_32_4_4): {want} contiguous elements")
+        return
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        fail("1x128 / 128x128 block scaling needs E4M3 operands")
+    k_blocks = -(-k // BLOCKWISE_TILE)
+    for name, scale, kind, outer in (("scale_a", scale_a, kind_a, m), ("scale_b", scale_b, kind_b, n)):
+        if scale.dtype != torch.float32:
+            fail(f"{name} must be float32")
+        if kind == "1x128":
+            shape, strides = (outer, k_blocks), (1, outer)
+        else:
+            padded = _round_up(k_blocks, 4)
+            shape, strides = (padded, -(-outer // BLOCKWISE_TILE)), (1, padded)
+        if tuple(scale.shape) != shape:
+            fail(f"{name} must have shape {shape}")
+        if scale.stride(0) != 1 or (shape[1] > 1 and scale.stride(1) != strides[1]):
+            fail(f"{name} must have strides {strides}")
+
+
+def dequantize_blocks(data: Tensor, inv_scale: Tensor, block: tuple[int, int]) -> Tensor:
+    """``float32(data) * inv_scale`` per block: the high-precision value of a block-scaled FP8 matrix."""
+    rows, cols = data.shape
+    values = blocked(data.to(torch.float32), block) * inv_scale[:, None, :, None]
+    values = values.reshape(values.shape[0] * values.shape[1], values.shape[2] * values.shape[3])
+    return values[:rows, :cols]
+
+
+def fp8_block_mm(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    block_a: tuple[int, int],
+    block_b: tuple[int, int],
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
+) -> Tensor:
+    """Block-scaled ``(a / scale_a) @ (b / scale_b)`` (see the module docstring), in ``out_dtype``.
+
+    ``a`` (M, K) row-major with quantization scales ``(ceil(M / bm), ceil(K / bk))`` for ``block_a = (bm, bk)``;
+    ``b`` (K, N) column-major with scales ``(ceil(K / bk), ceil(N / bn))`` for ``block_b = (bk, bn)``. K is
+    zero-padded to whole blocks and N to a multiple of 16; the result is sliced back.
+    """
+    kind_a, kind_b = _scaling_kind(block_a, "a"), _scaling_kind(block_b, "b")
+    tile_k = block_a[1]
+    if block_b[0] != tile_k:
+        raise ScaledMMContractError(f"the operands' blocks {block_a} and {block_b} do not share a K-block size")
+    k, n = b.shape
+    pad_k, pad_n = -k % tile_k, -n % 16
+    if pad_k:
+        a = _pad_fp8(a, 0, pad_k)
+    if pad_k or pad_n:
+        b = _pad_fp8(b.t(), pad_n, pad_k).t()
+        if block_b[1] == 1 and pad_n:
+            scale_b = F.pad(scale_b, (0, pad_n), value=1.0)
+    inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
+    k_blocks = a.shape[1] // tile_k
+    native_a = _native_block_scale(inv_a, kind_a, "a", k_blocks)
+    native_b = _native_block_scale(inv_b, kind_b, "b", k_blocks)
+    check_block_scaled_mm_contract(a, b, native_a, kind_a, native_b, kind_b, out_dtype)
+    recipe = "mxfp8" if kind_a == "1x32" else "blockwise"
+    if gemm_path(a.device, recipe) == "native":
+        assert _PUBLIC_SCALED_MM is not None and _ScalingType is not None and _SwizzleType is not None
+        types = {"1x128": _ScalingType.BlockWise1x128, "128x128": _ScalingType.BlockWise128x128, "1x32": _ScalingType.BlockWise1x32}
+        swizzle = _SwizzleType.SWIZZLE_32_4_4 if kind_a == "1x32" else None  # DeepSeek-style scales: not swizzled
+        out = _PUBLIC_SCALED_MM(
+            a, b, native_a, types[kind_a], native_b, types[kind_b], swizzle_a=swizzle, swizzle_b=swizzle,
+            output_dtype=out_dtype, use_fast_accum=use_fast_accum and kind_a != "1x32",
+        )
+    else:
+        with torch.autocast(a.device.type, enabled=False):
+            out = (dequantize_blocks(a, inv_a, block_a) @ dequantize_blocks(b, inv_b, block_b)).to(out_dtype)
+    return out[:, :n] if out.shape[1] != n else out

@@ -9,10 +9,12 @@
 One autograd function serves every recipe. It quantizes each operand as the recipe's
 :class:`~lightning_fp8.recipe.LinearCastSpecs` say, and reuses an FP8 copy wherever two GEMMs cast a
 tensor the same way (``tensorwise``, ``delayed``: ``x`` and ``W`` once each, ``grad_out`` once). For the
-backward it saves only what the needed gradients use: the FP8 copy when the backward casts the tensor as
-the forward did (about half the bytes that ``nn.Linear`` under bf16 autocast keeps; torchao keeps the
-high-precision input), else the tensor itself (``rowwise``, where each GEMM scales along its own
-reduction dimension; the input then in the autocast dtype, as ``nn.Linear`` saves it).
+backward it saves only what the needed gradients use, in FP8 (about half the bytes that ``nn.Linear``
+under bf16 autocast keeps; torchao keeps the high-precision input): the input's FP8 copy when the
+grad_weight GEMM casts it as the forward did, else the input cast as that GEMM casts it, done in the
+forward (``rowwise`` and the block recipes scale each GEMM along its own reduction dimension: the same
+bits the backward would compute); the weight's FP8 copy when the grad_input GEMM casts it as the forward
+did, else the weight parameter itself (no extra memory: it is alive anyway).
 
 Each cast records its statistics into the layer's row of the FP8 state table (see
 :mod:`lightning_fp8.state`): the forward's casts in training mode outside ``inference_mode``, the
@@ -47,6 +49,10 @@ from lightning_fp8.quantize import Quantized, quantize
 from lightning_fp8.recipe import E4M3, E5M2, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
 from lightning_fp8.region import ForwardDecision, decide, in_recomputation
 from lightning_fp8.state import FP8StateTable
+
+#: Cast each weight once per optimizer step (see :class:`FP8Linear`); ``False`` casts it at every use (the tests
+#: compare the two bit for bit).
+CACHE_WEIGHT_CASTS = True
 
 #: ``(layer, spec, history) -> Quantized | None``: see the module docstring.
 WeightProvider = Callable[[nn.Module, CastSpec, "tuple[Tensor, Tensor] | None"], "Quantized | None"]
@@ -84,23 +90,54 @@ class _LinearCall:
         self, weight: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None
     ) -> Quantized:
         provider = self.layer.weight_provider
+        replayed = history is not None  # a recomputation's scale, captured by the forward
         if spec.scale_source == "history" and history is None:
             history = self.history(spec.role)
         provided = provider(self.layer, spec, history) if provider is not None else None
         if provided is None:
-            return self.quantize(weight, spec, record, history)
+            # kept only under a precision plugin (which rolls once per optimizer step), never under compile (the graph
+            # fuses the cast) nor inference_mode (an inference tensor must not reach a later autograd forward)
+            keep = CACHE_WEIGHT_CASTS and self.decision.keep_weight_cast
+            if not keep or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+                return self.quantize(weight, spec, record, history)
+            return self.cached_weight_cast(weight, spec, record, history, replayed)
         if record:
             self.record(spec.role, provided)
         return provided
 
+    def cached_weight_cast(
+        self, weight: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None, replayed: bool
+    ) -> Quantized:
+        """The FP8 weight for ``spec``, cast once per optimizer step (see :class:`FP8Linear`): reused while the weight
+        (its version counter and storage) and the state table's generation are those it was cast under. A
+        recomputation (``replayed``: the forward's scale) reuses only the forward's own cast, and keeps nothing."""
+        key = (id(self.table), self.table.generation, weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        cache = self.layer.__dict__.setdefault("_fp8_weight_casts", {})
+        entry = cache.get(spec)
+        if replayed:
+            if entry is not None and entry[0] == key and history is not None and entry[1].scale is history[0]:
+                return entry[1]
+            return self.quantize(weight, spec, record, history)
+        if entry is not None and entry[0] == key:
+            q, recorded = entry[1], entry[2]
+            if not record or recorded:
+                return q
+            if q.stats is not None:  # cast with statistics, not recorded yet in this window
+                self.record(spec.role, q)
+                cache[spec] = (key, q, True)
+                return q
+        q = self.quantize(weight, spec, record, history)
+        cache[spec] = (key, q, record)
+        return q
+
     def record(self, role: int, q: Quantized) -> None:
         if q.stats is not None:
             s = q.stats
-            self.table.record(self.index, role, s.amax, s.scale, s.numel, s.counts)
+            self.table.record(self.index, role, s.amax, s.scale, s.numel, s.counts, s.amax_bins)
 
 
 def _gemm_dtype(dtype: torch.dtype, spec: CastSpec) -> torch.dtype:
-    return gemm.scaled_mm_out_dtype(dtype, rowwise=spec.granularity == "row")
+    return gemm.scaled_mm_out_dtype(dtype, rowwise=spec.granularity != "tensor")
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -124,15 +161,31 @@ class _FP8LinearFn(torch.autograd.Function):
         specs = call.specs
         x_spec, w_spec = specs.forward
         out = gemm.fp8_mm(
-            x_data, w_data.t(), x_scale, w_scale.t().contiguous(), _gemm_dtype(call.out_dtype, x_spec), use_fast_accum=True
+            x_data,
+            w_data.t(),
+            x_scale,
+            w_scale.t().contiguous(),
+            _gemm_dtype(call.out_dtype, x_spec),
+            use_fast_accum=True,
+            block_a=x_spec.block,
+            block_b=w_spec.transposed_block(),
         )
-        # Save only what the needed gradients use: x (or its FP8 copy) for grad_weight, W for grad_input.
+        # Save only what the needed gradients use, in FP8: for grad_weight the input as that GEMM casts it (the
+        # forward's copy when the casts agree; else the backward's own cast of x, done now: the same bits it would
+        # give in the backward, at a quarter of float32's bytes), for grad_input the weight's FP8 copy when the casts
+        # agree, else the weight itself (a parameter: saving it costs nothing).
         need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_reused, w_reused = specs.input_reused, specs.weight_reused
-        saved_x = (x_data if x_reused else x2d) if need_weight_grad else None
+        w_reused = specs.weight_reused
+        saved_x = saved_x_scale = None
+        if need_weight_grad:
+            if specs.input_reused:
+                saved_x, saved_x_scale = x_data, x_scale
+            else:
+                q_x = quantize(x2d, specs.grad_weight[1], statistics=False)
+                saved_x, saved_x_scale = q_x.data, q_x.scale
         saved_w = (w_data if w_reused else weight) if need_input_grad else None
-        ctx.save_for_backward(saved_x, x_scale if x_reused else None, saved_w, w_scale if w_reused else None)
-        ctx.x_reused, ctx.w_reused = x_reused, w_reused
+        ctx.save_for_backward(saved_x, saved_x_scale, saved_w, w_scale if w_reused else None)
+        ctx.w_reused = w_reused
         ctx.call = call
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
         return out.to(call.out_dtype)
@@ -153,19 +206,27 @@ class _FP8LinearFn(torch.autograd.Function):
             record = False  # grad_output's statistics are recorded once per backward
             qw = Quantized(saved_w, w_scale, None) if ctx.w_reused else call.quantize_weight(saved_w, w_spec, False)
             grad_input = gemm.fp8_mm(
-                q_go.data, _column_major(qw.data), q_go.scale, qw.scale, _gemm_dtype(grad_out.dtype, go_spec)
+                q_go.data,
+                _column_major(qw.data),
+                q_go.scale,
+                qw.scale,
+                _gemm_dtype(grad_out.dtype, go_spec),
+                block_a=go_spec.block,
+                block_b=w_spec.block,
             ).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             go_spec, x_spec = specs.grad_weight
             if q_go is None or not specs.grad_output_reused:
                 q_go = call.quantize(grad_out, go_spec, record)
-            qx = Quantized(saved_x, x_scale, None) if ctx.x_reused else call.quantize(saved_x, x_spec, False)
+            qx = Quantized(saved_x, x_scale, None)  # cast in the forward (see there)
             grad_weight = gemm.fp8_mm(
                 q_go.data.t().contiguous(),
                 _column_major(qx.data),
                 q_go.scale.t().contiguous(),
                 qx.scale,
                 _gemm_dtype(grad_out.dtype, go_spec),
+                block_a=go_spec.transposed_block(),
+                block_b=x_spec.block,
             ).to(ctx.w_dtype)
         return grad_input, grad_weight, None, None, None, None, None
 
@@ -206,6 +267,20 @@ class FP8Linear(FP8Module, nn.Linear):
     shifts a ``delayed`` scale. An activation-checkpointing recomputation takes the decisions and scales of
     the original forward and does not record statistics a second time. The backward is not differentiable
     again (double backward raises).
+
+    Each weight is cast to FP8 once per optimizer step, not once per micro-batch: the FP8 weight (and, for the
+    recipes whose backward casts the weight differently, that cast too) is kept on the layer and reused while the
+    weight is unchanged (same version counter and storage) and the state table has not rolled (the precision
+    plugin rolls once per optimizer step; a standalone ``fp8_autocast()`` when its outermost region exits). With
+    ``accumulate_grad_batches=k`` the other k-1 micro-batches, forward and backward, and an activation-checkpointing
+    recomputation reuse it; the results are bit-identical to casting at every use, and the weight's statistics are
+    recorded once per step. The kept copy costs one byte per weight element; it is dropped when the layer switches
+    between ``train()`` and ``eval()`` (weight-averaging callbacks swap the weights through ``.data`` around
+    evaluation) and when it moves or changes dtype. Any other in-place change of a weight that bypasses its version
+    counter between two micro-batches of one optimizer step (``weight.data.copy_(...)``) is not seen. Only under a
+    precision plugin: a standalone ``fp8_autocast()`` cannot tell when an optimizer changed a weight without bumping
+    its version (fused optimizers do), so its layers cast at every use; so does ``torch.compile`` (the compiler
+    fuses the cast into the graph).
     """
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
@@ -265,7 +340,9 @@ class FP8Linear(FP8Module, nn.Linear):
         specs = table.specs
         x2d = input.reshape(-1, self.in_features)
         if autocast and not specs.input_reused:
-            x2d = x2d.to(out_dtype)  # the input is saved for backward: keep what nn.Linear under autocast keeps
+            # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
+            # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
+            x2d = x2d.to(out_dtype)
         x2d = x2d.contiguous()
         call = _LinearCall(self, table, index, specs, decision, out_dtype)
         x_spec, w_spec = specs.forward

@@ -24,16 +24,20 @@ class FP8Module(nn.Module):
 
     fp8_state: FP8StateRef
     _fp8_decision: ForwardDecision | None
+    #: FP8 weight casts kept for reuse within an optimizer step, by cast spec (see ``FP8Linear``).
+    _fp8_weight_casts: dict[Any, Any]
 
     def init_fp8_state(self, recipe: FP8Recipe | str | None, device: torch.device | str | None) -> None:
         """Give the layer fresh FP8 state: a private table of one row on ``device``."""
         self.fp8_state = FP8StateRef(FP8StateTable(resolve_recipe(recipe), 1, device), 0)
         self._fp8_decision = None
+        self._fp8_weight_casts = {}
 
     def remove_fp8_state(self) -> None:
         """Forget the FP8 state (used when turning the layer back into its high-precision original)."""
         self.__dict__.pop("fp8_state", None)
         self.__dict__.pop("_fp8_decision", None)
+        self.__dict__.pop("_fp8_weight_casts", None)
 
     @property
     def fp8_recipe(self) -> FP8Recipe:
@@ -80,7 +84,17 @@ class FP8Module(nn.Module):
         # into float16); shared tables move once, on the first of their layers.
         super()._apply(fn, recurse)
         self.fp8_state.table.follow(fn)
+        self.drop_weight_casts()  # a new dtype or device may keep the storage and version of the weight
         return self
+
+    def train(self, mode: bool = True) -> FP8Module:
+        if mode != self.training:
+            self.drop_weight_casts()  # weight-averaging callbacks swap weights through .data around evaluation
+        return super().train(mode)
+
+    def drop_weight_casts(self) -> None:
+        """Forget the FP8 weight casts kept for reuse within an optimizer step (see ``FP8Linear``)."""
+        self.__dict__["_fp8_weight_casts"] = {}
 
     def _check_state_device(self, device: torch.device) -> None:
         table_device = self.fp8_state.table.device

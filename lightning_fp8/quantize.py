@@ -9,6 +9,8 @@ The scale of a cast (see :mod:`lightning_fp8.recipe` for the formulas)::
 
     granularity "tensor":  amax = max |x|                    scale: ()
     granularity "row":     amax = max |x| along spec.axis     scale: (M, 1) for axis -1, (1, N) for axis 0
+    granularity "block":   amax = max |x| over each block     scale: (ceil(M / bm), ceil(N / bn)) for block (bm, bn)
+                           (a partial block at the edge: over the elements it has)
     scale_source "current": scale = amax_to_scale(amax)
     scale_source "history": scale = the history's scale once the history holds an amax, else as "current"
 
@@ -17,7 +19,10 @@ Statistics of one cast (:class:`CastStats`), all computed on the device:
 * ``amax``: max ``|x|`` over the whole tensor (NaN if ``x`` holds a NaN);
 * ``overflow``: elements with ``not |x * scale| <= fp8_max`` (saturated, or NaN/Inf);
 * ``underflow``: non-zero elements whose FP8 value is zero (flushed);
-* ``nonzero`` and ``numel``: the denominators.
+* ``nonzero`` and ``numel``: the denominators;
+* ``amax_bins`` (``"row"`` and ``"block"`` granularity): a histogram of the slice (block) amaxes over powers of
+  two (:func:`amax_bins`), so the statistics can show how the blocks' ranges spread without one number per
+  block.
 
 :func:`cast_with_statistics` is the one dispatch point between the torch reference (a handful of
 elementwise ops and reductions that ``torch.compile`` fuses into one or two kernels) and the fused
@@ -33,24 +38,51 @@ import torch
 from torch import Tensor
 
 from lightning_fp8.recipe import FP8_MAX, CastSpec, amax_to_scale
-from lightning_fp8.triton_cast import triton_cast_with_statistics, use_triton
+from lightning_fp8.triton_cast import triton_block_cast, triton_cast_with_statistics, use_triton
+
+
+#: Bins of the slice-amax histogram: ``[zero, 2**AMAX_BIN_LOW .. 2**(AMAX_BIN_HIGH + 1)), ..., non-finite]``.
+AMAX_BIN_LOW, AMAX_BIN_HIGH = -64, 63
+N_AMAX_BINS = AMAX_BIN_HIGH - AMAX_BIN_LOW + 3
 
 
 class CastStats(NamedTuple):
     """What one cast contributes to its tensor's statistics (device tensors, no host sync)."""
 
     amax: Tensor  #: float32, 0-d: max |x| over the tensor
-    scale: Tensor  #: float32, 0-d: the scale used (the smallest slice scale for "row" granularity)
+    scale: Tensor  #: float32, 0-d: the scale used (the smallest slice or block scale for "row" / "block")
     numel: int  #: elements cast
     counts: Tensor  #: int64, (3,): nonzero, overflow, underflow
+    amax_bins: Tensor | None = None  #: int64, (N_AMAX_BINS,): histogram of the slice amaxes ("row", "block")
+
+
+def amax_bins(amax: Tensor) -> Tensor:
+    """Histogram (int64, ``(N_AMAX_BINS,)``, on the device, no sync) of a tensor of slice or block amaxes.
+
+    Bin 0 counts zero amaxes, bin ``1 + e - AMAX_BIN_LOW`` those with ``floor(log2(amax)) == e`` (``e`` clamped to
+    ``[AMAX_BIN_LOW, AMAX_BIN_HIGH]``), the last bin non-finite ones.
+    """
+    amax = amax.reshape(-1).to(torch.float32)
+    exponent = torch.frexp(amax).exponent - 1  # amax = m * 2**(exponent + 1), 0.5 <= m < 1: floor(log2(amax))
+    index = exponent.clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
+    index = torch.where(amax == 0, 0, index)
+    index = torch.where(torch.isfinite(amax), index, N_AMAX_BINS - 1)
+    bins = torch.zeros(N_AMAX_BINS, dtype=torch.int64, device=amax.device)
+    return bins.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int64))
 
 
 class Quantized(NamedTuple):
     """An FP8 tensor: ``data ≈ x * scale``."""
 
     data: Tensor  #: FP8, the shape of ``x``
-    scale: Tensor  #: float32: ``()`` for "tensor" granularity, ``(M, 1)`` or ``(1, N)`` for "row"
+    scale: Tensor  #: float32: ``()`` for "tensor", ``(M, 1)`` or ``(1, N)`` for "row", one per block for "block"
     stats: CastStats | None  #: ``None`` when statistics were not asked for
+    block: tuple[int, int] | None = None  #: the block shape of "block" granularity (``None`` otherwise)
+
+    def t(self) -> Quantized:
+        """The transposed tensor (data, scales and block shape), as a view: a GEMM operand seen from the other side."""
+        block = None if self.block is None else (self.block[1], self.block[0])
+        return Quantized(self.data.t(), self.scale.t() if self.scale.dim() == 2 else self.scale, self.stats, block)
 
 
 def saturated_cast(x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -61,37 +93,98 @@ def saturated_cast(x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return torch.nan_to_num(x_scaled, nan=nan, posinf=nan, neginf=nan).clamp(-fp8_max, fp8_max).to(fp8_dtype)
 
 
-def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor) -> Tensor:
-    """``[nonzero, overflow, underflow]`` element counts (int64, on the device) of one cast."""
+#: The smallest magnitude byte (bits 0-6) of an FP8 NaN: E4M3 has one NaN pattern, E5M2 several (``0x7C`` is its
+#: infinity, which :func:`saturated_cast` never produces).
+_NAN_MAGNITUDE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7D}
+
+
+def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bool = False) -> Tensor:
+    """``[nonzero, overflow, underflow]`` element counts (int64, on the device) of one cast.
+
+    ``overflow``: elements with ``not |x * scale| <= fp8_max``; ``underflow``: non-zero elements whose FP8 value is
+    zero (an FP8 value is zero iff all its bits but the sign are zero, in both formats). With ``overflow_free=True``
+    (the scale came from this tensor's own amax, per tensor, row or block, so no finite element can exceed
+    ``fp8_max``: see :func:`lightning_fp8.recipe.amax_to_scale`) the overflows are the elements the cast turned
+    into NaN, read from the FP8 bits instead of from the float32 ``x_scaled``: the same count, with fewer passes
+    over float32 data.
+    """
     fp8_max = FP8_MAX[data.dtype]
+    magnitude = data.view(torch.uint8) & 0x7F
     nonzero = x != 0
-    overflow = ~(x_scaled.abs() <= fp8_max)
-    # An FP8 value is zero iff all bits but the sign are zero, in both E4M3 and E5M2.
-    flushed = (data.view(torch.uint8) & 0x7F) == 0
+    if overflow_free:
+        overflow = magnitude >= _NAN_MAGNITUDE[data.dtype]
+    else:
+        overflow = ~(x_scaled.abs() <= fp8_max)
     # count_nonzero is several times faster than a boolean sum on CPU.
     return torch.stack(
-        [torch.count_nonzero(nonzero), torch.count_nonzero(overflow), torch.count_nonzero(nonzero & flushed)]
+        [torch.count_nonzero(nonzero), torch.count_nonzero(overflow), torch.count_nonzero(nonzero & (magnitude == 0))]
     )
 
 
-def cast_with_statistics(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def cast_with_statistics(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, overflow_free: bool = False
+) -> tuple[Tensor, Tensor]:
     """``(saturated_cast(x * scale), [nonzero, overflow, underflow])``: the one dispatch point for casts.
 
     ``scale`` is a float32 tensor broadcastable to ``x`` (0-d, or per row/column). On CUDA, outside
     ``torch.compile``, this runs the fused Triton kernel of ``lightning_fp8.triton_cast`` (same bits).
+    ``overflow_free``: the scale came from ``x``'s own amax (see :func:`cast_statistics`).
     """
     if use_triton(x):
         return triton_cast_with_statistics(x, scale, fp8_dtype)
     x_scaled = x.to(torch.float32) * scale
     data = saturated_cast(x_scaled, fp8_dtype)
-    return data, cast_statistics(x, x_scaled, data)
+    return data, cast_statistics(x, x_scaled, data, overflow_free)
+
+
+def blocked(x: Tensor, block: tuple[int, int]) -> Tensor:
+    """A 2-D ``x`` (R, C) as ``(ceil(R / bm), bm, ceil(C / bn), bn)`` blocks, zero-padded at the far edges (a view
+    when no padding is needed). Zeros add nothing to a block's amax and are never counted as non-zero."""
+    if x.dim() != 2:
+        raise ValueError(f"block scaling needs a 2-D tensor, got shape {tuple(x.shape)}")
+    (rows, cols), (bm, bn) = x.shape, block
+    pad_r, pad_c = -rows % bm, -cols % bn
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x.reshape((rows + pad_r) // bm, bm, (cols + pad_c) // bn, bn)
 
 
 def current_amax(x: Tensor, spec: CastSpec) -> Tensor:
-    """``max |x|`` in float32: one value (``()``) or one per slice along ``spec.axis`` (kept as a dim)."""
+    """``max |x|`` in float32: one value (``()``), one per slice along ``spec.axis`` (kept as a dim), or one per
+    block (``(ceil(R / bm), ceil(C / bn))``)."""
     if spec.granularity == "tensor":
         return x.abs().amax().to(torch.float32)
+    if spec.granularity == "block":
+        assert spec.block is not None
+        return blocked(x, spec.block).abs().amax(dim=(1, 3)).to(torch.float32)
     return x.abs().amax(dim=spec.axis, keepdim=True).to(torch.float32)
+
+
+def _cast_blocks(
+    x: Tensor, scale: Tensor, spec: CastSpec, statistics: bool, overflow_free: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Cast ``x`` with one scale per block: ``(FP8 data of x's shape, counts or None)``. The counts are over the
+    elements of ``x``, never over the zero padding of a partial block (which a NaN block scale turns into NaN)."""
+    assert spec.block is not None
+    if use_triton(x):
+        data, _, _, counts = triton_block_cast(x, spec.block, spec.dtype, scale=scale, statistics=statistics)
+        return data, counts
+    xb = blocked(x, spec.block)
+    rows, cols = x.shape
+    x_scaled = xb.to(torch.float32) * scale[:, None, :, None]
+    x_scaled = x_scaled.reshape(xb.shape[0] * xb.shape[1], xb.shape[2] * xb.shape[3])[:rows, :cols]  # no padding
+    data = saturated_cast(x_scaled, spec.dtype)
+    return data, cast_statistics(x, x_scaled, data, overflow_free) if statistics else None
+
+
+def _quantize_blocks_fused(x: Tensor, spec: CastSpec, statistics: bool) -> Quantized:
+    """A block cast with scales from ``x``'s own block amaxes, in the fused Triton kernel: one pass over ``x``."""
+    assert spec.block is not None
+    data, scale, amax, counts = triton_block_cast(
+        x, spec.block, spec.dtype, power_of_2=spec.power_of_2, margin=spec.margin, statistics=statistics
+    )
+    stats = None if counts is None else CastStats(amax.amax(), scale.amin(), x.numel(), counts, amax_bins(amax))
+    return Quantized(data, scale, stats, spec.block)
 
 
 def quantize(
@@ -115,18 +208,27 @@ def quantize(
         scale: use exactly this scale (an activation-checkpointing recomputation reuses the forward's).
     """
     x = x.detach()
+    if spec.granularity == "block" and scale is None and spec.scale_source == "current" and use_triton(x):
+        return _quantize_blocks_fused(x, spec, statistics)
     amax = current_amax(x, spec)
+    # a scale from x's own amax (per tensor, row or block) cannot saturate a finite element: see cast_statistics
+    overflow_free = scale is None and spec.scale_source == "current"
     if scale is None:
         scale = amax_to_scale(amax, spec.fp8_max, spec.margin, spec.power_of_2)
         if spec.scale_source == "history":
             if history_scale is None or history_ready is None:
                 raise ValueError("a history-scaled cast needs history_scale and history_ready")
             scale = torch.where(history_ready, history_scale, scale)
+    if spec.granularity == "block":
+        data, counts = _cast_blocks(x, scale, spec, statistics, overflow_free)
+        if counts is None:
+            return Quantized(data, scale, None, spec.block)
+        return Quantized(data, scale, CastStats(amax.amax(), scale.amin(), x.numel(), counts, amax_bins(amax)), spec.block)
     if not statistics:
         return Quantized(saturated_cast(x.to(torch.float32) * scale, spec.dtype), scale, None)
-    data, counts = cast_with_statistics(x, scale, spec.dtype)
+    data, counts = cast_with_statistics(x, scale, spec.dtype, overflow_free)
     if spec.granularity == "tensor":
         stats = CastStats(amax, scale, x.numel(), counts)
     else:
-        stats = CastStats(amax.amax(), scale.amin(), x.numel(), counts)
+        stats = CastStats(amax.amax(), scale.amin(), x.numel(), counts, amax_bins(amax))
     return Quantized(data, scale, stats)

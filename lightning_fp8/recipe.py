@@ -38,15 +38,41 @@ Recipes
 
         scale[i] = 2**floor(log2(fp8_max / max(amax(|x[i, :]|), eps)))
 
+``blockwise`` (DeepSeek-V3 tiles; Transformer Engine's ``Float8BlockScaling``)
+    E4M3 for every operand. Activations (the input) and gradients (grad_output) get one scale per 1×128
+    tile along the GEMM's reduction dimension, weights one per 128×128 block; the transposed operands of the
+    backward GEMMs are tiled along *their* reduction dimension (the input and grad_output of the grad_weight
+    GEMM per 128×1 tile, along the tokens). Float32 scales, each from the amax of its own tile::
+
+        scale[tile] = fp8_max / max(amax(|x[tile]|), eps)       (option: rounded down to a power of two)
+
+``mxfp8`` (OCP Microscaling MXFP8; NVIDIA's MXFP8 recipe)
+    One scale per block of 32 consecutive elements along the GEMM's reduction dimension, for every operand
+    of every GEMM (the backward GEMMs quantize their transposed operands along their own reduction
+    dimension). The scale is a power of two stored as E8M0; the block's decoding scale ``2**e`` is rounded
+    *up* (NVIDIA's rule), so no element saturates because of the rounding::
+
+        e            = ceil(log2(max(amax(|x[block]|), eps) / fp8_max))
+        scale[block] = 2**-e   (= 2**floor(log2(fp8_max / amax)): the power-of-two rounding of the formula above)
+
+    E4M3 data for every operand by default; ``fp8_format="hybrid"`` gives E5M2 gradients. (The OCP
+    specification's own example rule, ``2**(floor(log2(amax)) - emax)``, can saturate up to the top
+    element of a block; the rounded-up scale never does.)
+
+Block recipes derive every scale from the tensor being cast and keep no scaling history (their amax
+history is kept for the statistics only). A dimension that is not a multiple of the block size ends in a
+partial block, whose scale comes from the elements it has (the kernels' zero padding adds nothing to a
+block's amax and nothing to a product).
+
 Every recipe can round its scales down to a power of two (``power_of_2_scale=True``; on by default for
-``rowwise``); a power-of-two scale makes the multiplication by the scale exact.
+``rowwise``, always for ``mxfp8``); a power-of-two scale makes the multiplication by the scale exact.
 
 The cast itself is saturating for finite values (``|x * scale| > fp8_max`` clamps to ``±fp8_max``)
 and maps non-finite values to NaN, so a NaN or Inf in a tensor always reaches the GEMM output.
 
 Settings a recipe does not use are rejected when the recipe is built (``margin`` and
-``amax_compute_algo`` outside ``delayed``, ``fp8_format="hybrid"`` with ``rowwise``), so a
-configuration never silently means less than it says.
+``amax_compute_algo`` outside ``delayed``, ``fp8_format="hybrid"`` with ``rowwise`` or ``blockwise``,
+``power_of_2_scale=False`` with ``mxfp8``), so a configuration never silently means less than it says.
 
 Cast specs
 ----------
@@ -58,7 +84,7 @@ An FP8 linear layer runs three GEMMs, each with two quantized operands::
 
 ``FP8Recipe.cast_specs()`` compiles a recipe into one :class:`CastSpec` per operand of each GEMM
 (:class:`LinearCastSpecs`): the FP8 dtype, the granularity (one scale for the tensor, or one per slice
-along the GEMM's reduction dimension), where the scale comes from (the tensor's current amax or the
+along the GEMM's reduction dimension, or one per block), where the scale comes from (the tensor's current amax or the
 amax history), the margin and the power-of-two rounding. Two uses of a tensor with the same cast
 (tensor granularity) share one FP8 copy.
 """
@@ -71,7 +97,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-RecipeName = Literal["tensorwise", "delayed", "rowwise"]
+RecipeName = Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
 FP8Format = Literal["hybrid", "e4m3"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 
@@ -84,6 +110,14 @@ E5M2 = torch.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 FP8_MAX = {E4M3: E4M3_MAX, E5M2: E5M2_MAX}
+
+#: Block sizes of the block recipes: ``blockwise`` tiles and blocks, ``mxfp8`` blocks (fixed by the hardware GEMMs).
+BLOCKWISE_TILE = 128
+MX_BLOCK = 32
+#: Recipes with one scale per block (they keep no scaling history).
+BLOCK_RECIPES: tuple[str, ...] = ("blockwise", "mxfp8")
+#: Recipes whose operands are E4M3 only (their hardware GEMM takes no E5M2).
+_E4M3_ONLY = ("rowwise", "blockwise")
 
 #: amax is clamped to at least this value before taking the reciprocal (same value as torchao).
 AMAX_EPS = 1e-12
@@ -110,10 +144,16 @@ class CastSpec:
         role: which tensor this is (``INPUT``, ``WEIGHT`` or ``GRAD_OUTPUT``); its statistics are
             recorded in that row of the layer's state.
         dtype: the FP8 dtype.
-        granularity: ``"tensor"`` (one scale) or ``"row"`` (one scale per slice along ``axis``).
+        granularity: ``"tensor"`` (one scale), ``"row"`` (one scale per slice along ``axis``) or ``"block"``
+            (one scale per ``block`` of the 2-D tensor).
         axis: for ``"row"``: the dimension the scales are computed *along* (the GEMM's reduction
             dimension in the tensor's own layout): ``-1`` gives one scale per row, shape ``(M, 1)``;
-            ``0`` one per column, shape ``(1, N)``. ``None`` for ``"tensor"``.
+            ``0`` one per column, shape ``(1, N)``. ``None`` for ``"tensor"`` and ``"block"``.
+        block: for ``"block"``: the block shape ``(rows, columns)`` in the tensor's own layout (``(1, 128)``: a
+            tile along the rows, for a reduction over the last dimension; ``(128, 1)``: along the columns, for a
+            reduction over the first). The scales then have shape ``(ceil(R / rows), ceil(C / columns))``.
+        scale_format: ``"float32"``, or ``"e8m0"`` (a power of two that the hardware GEMM receives as an E8M0
+            decoding scale: ``mxfp8``).
         scale_source: ``"current"`` (the tensor's own amax) or ``"history"`` (the amax history, falling
             back to the current amax while the history is empty).
         margin: the scale is divided by ``2**margin``.
@@ -122,11 +162,17 @@ class CastSpec:
 
     role: int
     dtype: torch.dtype
-    granularity: Literal["tensor", "row"] = "tensor"
+    granularity: Literal["tensor", "row", "block"] = "tensor"
     axis: int | None = None
     scale_source: Literal["current", "history"] = "current"
     margin: int = 0
     power_of_2: bool = False
+    block: tuple[int, int] | None = None
+    scale_format: Literal["float32", "e8m0"] = "float32"
+
+    def transposed_block(self) -> tuple[int, int] | None:
+        """``block`` for the transposed tensor (``None`` outside ``"block"`` granularity)."""
+        return None if self.block is None else (self.block[1], self.block[0])
 
     @property
     def fp8_max(self) -> float:
@@ -175,16 +221,18 @@ class FP8Recipe:
     Fields left at ``None`` take the recipe's own default; a field the recipe does not use raises.
 
     Args:
-        name: ``"tensorwise"`` (current scaling), ``"delayed"`` (amax history) or ``"rowwise"``.
+        name: ``"tensorwise"`` (current scaling), ``"delayed"`` (amax history), ``"rowwise"``, ``"blockwise"``
+            (DeepSeek-V3 1×128 tiles and 128×128 weight blocks) or ``"mxfp8"`` (OCP MXFP8 blocks of 32).
         fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``. Default: ``"hybrid"``
-            for ``tensorwise`` and ``delayed``; ``rowwise`` uses ``"e4m3"`` only.
+            for ``tensorwise`` and ``delayed``, ``"e4m3"`` for ``mxfp8``; ``rowwise`` and ``blockwise`` use
+            ``"e4m3"`` only.
         amax_history_len: length of the per-tensor amax ring buffer (every recipe keeps one for the
             statistics; ``delayed`` also derives its scale from it).
         amax_compute_algo: ``"max"`` (default) or ``"most_recent"``: how ``delayed`` reduces the
             history. ``delayed`` only.
         margin: ``delayed`` divides its scale by ``2**margin``. ``delayed`` only.
         power_of_2_scale: round every scale down to a power of two. Default: ``True`` for
-            ``rowwise``, ``False`` otherwise.
+            ``rowwise``, ``False`` otherwise; ``mxfp8`` scales are always powers of two (``False`` raises).
 
     Raises:
         ValueError: naming the field and the valid values, for any invalid or unused setting.
@@ -217,19 +265,30 @@ class FP8Recipe:
                 raise _unused("margin", self.margin, self.name, hint + " or use recipe='delayed'")
             if self.amax_compute_algo is not None:
                 raise _unused("amax_compute_algo", self.amax_compute_algo, self.name, hint + " or use recipe='delayed'")
-        if self.name == "rowwise" and self.fp8_format == "hybrid":
+        if self.name in _E4M3_ONLY and self.fp8_format == "hybrid":
+            kind = "row-wise" if self.name == "rowwise" else "block-scaled (1x128 / 128x128)"
             raise _unused(
                 "fp8_format",
                 "hybrid",
-                "rowwise",
-                "the row-wise FP8 GEMM takes E4M3 operands only, so rowwise always uses 'e4m3'; leave fp8_format unset "
-                "(None) or set it to 'e4m3'",
+                self.name,
+                f"the {kind} FP8 GEMM takes E4M3 operands only, so {self.name} always uses 'e4m3'; leave fp8_format "
+                "unset (None) or set it to 'e4m3'",
+            )
+        if self.name == "mxfp8" and self.power_of_2_scale is False:
+            raise _unused(
+                "power_of_2_scale",
+                False,
+                "mxfp8",
+                "MXFP8 scales are E8M0, powers of two by definition; leave power_of_2_scale unset (None) or True, "
+                "or use recipe='blockwise' for float32 block scales",
             )
         # Resolve the recipe's defaults, so equal configurations compare (and checkpoint) equal.
+        e4m3_default = self.name in _E4M3_ONLY or self.name == "mxfp8"
+        pow2_default = self.name in ("rowwise", "mxfp8")
         resolved = {
-            "fp8_format": self.fp8_format or ("e4m3" if self.name == "rowwise" else "hybrid"),
+            "fp8_format": self.fp8_format or ("e4m3" if e4m3_default else "hybrid"),
             "amax_compute_algo": (self.amax_compute_algo or "max") if self.name == "delayed" else None,
-            "power_of_2_scale": self.name == "rowwise" if self.power_of_2_scale is None else self.power_of_2_scale,
+            "power_of_2_scale": pow2_default if self.power_of_2_scale is None else self.power_of_2_scale,
         }
         for key, value in resolved.items():
             object.__setattr__(self, key, value)
@@ -278,6 +337,20 @@ _CAST_SPECS: dict[FP8Recipe, LinearCastSpecs] = {}
 def _cast_specs(recipe: FP8Recipe) -> LinearCastSpecs:
     dtype = recipe.dtype
     pow2 = recipe.round_to_power_of_2
+    if recipe.name in BLOCK_RECIPES:
+        tile = BLOCKWISE_TILE if recipe.name == "blockwise" else MX_BLOCK
+        scale_format: Literal["float32", "e8m0"] = "e8m0" if recipe.name == "mxfp8" else "float32"
+
+        def block(role: int, shape: tuple[int, int]) -> CastSpec:
+            return CastSpec(role, dtype(role), "block", None, "current", 0, pow2, shape, scale_format)
+
+        along_rows, along_columns = (1, tile), (tile, 1)  # reduction over the last / the first dimension
+        weight = (tile, tile) if recipe.name == "blockwise" else None
+        return LinearCastSpecs(
+            forward=(block(INPUT, along_rows), block(WEIGHT, weight or along_rows)),
+            grad_input=(block(GRAD_OUTPUT, along_rows), block(WEIGHT, weight or along_columns)),
+            grad_weight=(block(GRAD_OUTPUT, along_columns), block(INPUT, along_columns)),
+        )
     if recipe.name == "rowwise":
 
         def spec(role: int, axis: int) -> CastSpec:

@@ -107,12 +107,17 @@ class ForwardDecision(NamedTuple):
             tensor of flags, indexed by role, saying whether that history was usable. A recomputation casts with
             exactly that scale where the history was usable, whatever it did since, and otherwise, as the forward
             did, with the current amax of its own input.
+        keep_weight_cast: the region leaves the roll to a precision plugin, which rolls once per optimizer step:
+            an FP8 weight cast may then be kept until the roll (see ``FP8Linear``). A standalone region cannot tell
+            when an optimizer changed a weight without bumping its version counter (fused optimizers do), so its
+            layers cast the weight at every use.
     """
 
     enabled: bool
     record_forward: bool = False
     record_backward: bool = False
     history: tuple[tuple[int, ...], tuple[torch.Tensor, ...], torch.Tensor] | None = None
+    keep_weight_cast: bool = False
 
     def history_of(self, role: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(scale used, history usable)`` captured for ``role``, if any (``quantize`` takes them as the history
@@ -156,4 +161,6 @@ def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
     if record and not outermost.defer_amax_history_roll:  # evaluation never moves the state, not even a roll
         if all(t is not table for t in outermost.tables):  # a long region stays small: one entry per table
             outermost.tables.append(table)
-    return ForwardDecision(enabled=True, record_forward=record, record_backward=record)
+    return ForwardDecision(
+        enabled=True, record_forward=record, record_backward=record, keep_weight_cast=outermost.defer_amax_history_roll
+    )

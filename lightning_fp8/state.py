@@ -20,6 +20,10 @@ tensor              shape            meaning
 ``initialized``     ``(L, 3)``       ``delayed``: the history holds a usable amax
 ``counts_epoch``    ``(L,)``         bumped whenever the row's counters restart from zero (a reader of
                                      interval statistics then takes a new baseline)
+``amax_bins``       ``(L, 3, B)``    cumulative histogram of the slice / block amaxes of ``rowwise`` and the
+                                     block recipes over powers of two (``B`` bins, see
+                                     :func:`lightning_fp8.quantize.amax_bins`; ``B = 0`` for per-tensor
+                                     recipes), per rank, restarted with the counters
 ==================  ===============  ===================================================================
 
 Every operation on the whole table (:meth:`FP8StateTable.roll`, the loss-scale rescale, the cross-rank
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fp8.quantize import N_AMAX_BINS
 from lightning_fp8.recipe import FP8_MAX, GRAD_OUTPUT, ROLES, FP8Recipe, amax_to_scale
 
 #: Columns of ``counts``.
@@ -54,14 +59,23 @@ COUNT_FIELDS: tuple[str, ...] = ("seen", "nonzero", "overflow", "underflow")
 SEEN, NONZERO, OVERFLOW, UNDERFLOW = 0, 1, 2, 3
 
 #: The table's tensors, in export order.
-STATE_FIELDS: tuple[str, ...] = ("scale", "amax_history", "amax_pending", "counts", "initialized", "counts_epoch")
+STATE_FIELDS: tuple[str, ...] = (
+    "scale", "amax_history", "amax_pending", "counts", "initialized", "counts_epoch", "amax_bins"
+)
 STATE_FORMAT_VERSION = 2
 
 _N_ROLES = len(ROLES)
 
 
 #: The state that the casts of one role write on the step path; each role's part is a tensor of its own.
-_PER_ROLE_FIELDS = ("scale", "amax_pending", "counts")
+_PER_ROLE_FIELDS = ("scale", "amax_pending", "counts", "amax_bins")
+
+
+def amax_bin_count(recipe: FP8Recipe) -> int:
+    """Bins of a table's ``amax_bins``: a histogram for recipes with several scales per tensor, none otherwise."""
+    specs = recipe.cast_specs()
+    pairs = (specs.forward, specs.grad_input, specs.grad_weight)
+    return N_AMAX_BINS if any(spec.granularity != "tensor" for pair in pairs for spec in pair) else 0
 
 
 class FP8StateTable:
@@ -84,6 +98,9 @@ class FP8StateTable:
         #: The recipe's cast specs (layers read them here on every forward).
         self.specs = recipe.cast_specs()
         self._fp8_max: Tensor | None = None  # per-role fp8_max, (3,) float64 on the device, built lazily
+        #: Bumped (on the host) whenever the scales may have changed other than by a cast: each roll, each write of
+        #: rows, each move. An FP8 weight cast under one generation of an unchanged weight can be reused.
+        self.generation = 0
         self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))
 
     # ------------------------------------------------------------------ storage
@@ -93,10 +110,13 @@ class FP8StateTable:
         self.role_scale = [torch.ones(n, dtype=torch.float32, **kw) for _ in ROLES]
         self.role_amax_pending = [torch.zeros(n, dtype=torch.float32, **kw) for _ in ROLES]
         self.role_counts = [torch.zeros(n, len(COUNT_FIELDS), dtype=torch.int64, **kw) for _ in ROLES]
+        bins = amax_bin_count(self.recipe)
+        self.role_amax_bins = [torch.zeros(n, bins, dtype=torch.int64, **kw) for _ in ROLES]
         self.amax_history = torch.zeros(n, _N_ROLES, length, dtype=torch.float32, **kw)
         self.initialized = torch.zeros(n, _N_ROLES, dtype=torch.bool, **kw)
         self.counts_epoch = torch.zeros(n, dtype=torch.int64, **kw)
         self._fp8_max = None
+        self.generation = getattr(self, "generation", 0) + 1
 
     @property
     def scale(self) -> Tensor:
@@ -114,6 +134,11 @@ class FP8StateTable:
         return torch.stack(self.role_counts, dim=1)
 
     @property
+    def amax_bins(self) -> Tensor:
+        """``(L, 3, B)`` copy of the slice-amax histograms."""
+        return torch.stack(self.role_amax_bins, dim=1)
+
+    @property
     def num_layers(self) -> int:
         """Number of rows (layers)."""
         return self.amax_history.shape[0]
@@ -128,7 +153,15 @@ class FP8StateTable:
         return {name: getattr(self, name) for name in STATE_FIELDS}
 
     def _storage(self) -> list[Tensor]:
-        return [*self.role_scale, *self.role_amax_pending, *self.role_counts, self.amax_history, self.initialized, self.counts_epoch]
+        return [
+            *self.role_scale,
+            *self.role_amax_pending,
+            *self.role_counts,
+            *self.role_amax_bins,
+            self.amax_history,
+            self.initialized,
+            self.counts_epoch,
+        ]
 
     def follow(self, fn: Any) -> None:
         """Follow a ``Module._apply`` function (``.to()``, ``.cuda()``, ``to_empty()``...) to its device only.
@@ -144,15 +177,17 @@ class FP8StateTable:
         if self.device.type == "meta":
             self._allocate(self.num_layers, target)
             return
-        for name in ("role_scale", "role_amax_pending", "role_counts"):
+        for name in ("role_scale", "role_amax_pending", "role_counts", "role_amax_bins"):
             setattr(self, name, [t.to(target) for t in getattr(self, name)])
         for name in ("amax_history", "initialized", "counts_epoch"):
             setattr(self, name, getattr(self, name).to(target))
         self._fp8_max = None
+        self.generation += 1
 
     def set_rows(self, name: str, index: Tensor, values: Tensor) -> None:
         """Write ``values`` (rows of the exported ``name`` field) into rows ``index`` (a device index tensor)."""
         values = values.to(self.device)
+        self.generation += 1
         with torch.no_grad():
             if name in _PER_ROLE_FIELDS:
                 for role, tensor in enumerate(getattr(self, "role_" + name)):
@@ -168,15 +203,20 @@ class FP8StateTable:
 
     # ------------------------------------------------------------------ the step path
     @torch.no_grad()
-    def record(self, index: int, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor) -> None:
+    def record(
+        self, index: int, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor, bins: Tensor | None = None
+    ) -> None:
         """Record one cast of ``role`` of layer ``index``: the scale it used, its amax (max-combined into the
-        pending amax, NaN-propagating), and ``numel`` plus the ``[nonzero, overflow, underflow]`` counts."""
+        pending amax, NaN-propagating), ``numel`` plus the ``[nonzero, overflow, underflow]`` counts, and the
+        histogram of its slice amaxes (``bins``, for tables that keep one)."""
         self.role_scale[role][index].copy_(scale)
         pending = self.role_amax_pending[role][index]
         pending.copy_(torch.maximum(pending, amax.float()))
         row = self.role_counts[role][index]
         row[SEEN].add_(numel)
         row[NONZERO:].add_(counts)
+        if bins is not None and self.role_amax_bins[role].shape[1]:
+            self.role_amax_bins[role][index].add_(bins)
 
     @torch.no_grad()
     def roll(self) -> None:
@@ -192,6 +232,7 @@ class FP8StateTable:
         keeps the grad_output state it records into as saved tensors. The backward is meant to see the rolled
         state (its gradient scale comes from the updated history); no state tensor ever requires grad.
         """
+        self.generation += 1
         pending = self.amax_pending  # (L, 3), stacked
         history = self.amax_history.data
         recorded = (pending != 0).unsqueeze(-1)
@@ -222,6 +263,7 @@ class FP8StateTable:
         applied to (input and weight scales come out unchanged: their histories did not move).
         """
         ratio = ratio.to(device=self.device, dtype=torch.float32)
+        self.generation += 1
         self.amax_history.data[:, GRAD_OUTPUT].mul_(ratio)  # .data: see roll()
         self.role_amax_pending[GRAD_OUTPUT].data.mul_(ratio)
         if self.recipe.name == "delayed":
@@ -229,8 +271,8 @@ class FP8StateTable:
 
     @torch.no_grad()
     def reset_counters(self) -> None:
-        """Zero the element counters (a new per-rank baseline) and bump ``counts_epoch``."""
-        torch._foreach_zero_([t.data for t in self.role_counts])  # .data: see roll()
+        """Zero the element counters and amax histograms (a new per-rank baseline) and bump ``counts_epoch``."""
+        torch._foreach_zero_([t.data for t in (*self.role_counts, *self.role_amax_bins)])  # .data: see roll()
         self.counts_epoch.data.add_(1)
 
     # ------------------------------------------------------------------ rows
@@ -348,7 +390,8 @@ def fp8_state_dict(model: nn.Module) -> dict[str, Any]:
         {"version": 2, "roles": ["input", "weight", "grad_output"], "count_fields": [...],
          "tables": [{"recipe": {...}, "layers": [qualified names, one per row],
                      "scale": (L, 3), "amax_history": (L, 3, H), "amax_pending": (L, 3),
-                     "counts": (L, 3, 4), "initialized": (L, 3), "counts_epoch": (L,)}, ...]}
+                     "counts": (L, 3, 4), "initialized": (L, 3), "counts_epoch": (L,),
+                     "amax_bins": (L, 3, B)}, ...]}
                                                                   # one table per recipe
 
     Use :func:`layer_state` to read one layer's rows. A bound model exports each table with one copy per
@@ -401,7 +444,9 @@ def _upgrade(state: Any) -> dict[str, Any]:
     """Validate an export; convert the per-layer format of lightning-fp8 0.1 (version 1) to version 2."""
     version = state.get("version") if isinstance(state, dict) else type(state).__name__
     if version == STATE_FORMAT_VERSION:
-        return state
+        if all("amax_bins" in table for table in state["tables"]):
+            return state
+        return {**state, "tables": [_with_amax_bins(table) for table in state["tables"]]}
     if version != 1:
         raise ValueError(f"Unknown FP8 state format (expected version {STATE_FORMAT_VERSION} or 1, got {version})")
     groups: dict[FP8Recipe, list[tuple[str, dict[str, Any]]]] = {}
@@ -413,8 +458,17 @@ def _upgrade(state: Any) -> dict[str, Any]:
         for old, new in _V1_BUFFERS.items():
             table[new] = torch.stack([entry[old] for _, entry in entries])
         table["counts_epoch"] = torch.zeros(len(entries), dtype=torch.int64, device=table["scale"].device)
-        tables.append(table)
+        tables.append(_with_amax_bins(table))
     return {"version": STATE_FORMAT_VERSION, "roles": list(ROLES), "count_fields": list(COUNT_FIELDS), "tables": tables}
+
+
+def _with_amax_bins(table: dict[str, Any]) -> dict[str, Any]:
+    """A saved table from before the amax histograms (lightning-fp8 0.2 and older): empty histograms."""
+    if "amax_bins" in table:
+        return table
+    bins = amax_bin_count(FP8Recipe.from_dict(table["recipe"]))
+    layers, device = len(table["layers"]), table["scale"].device
+    return {**table, "amax_bins": torch.zeros(layers, len(ROLES), bins, dtype=torch.int64, device=device)}
 
 
 @torch.no_grad()
@@ -427,7 +481,8 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = 
         model: the model whose FP8 layers receive the state.
         state: the export.
         strict: require the saved and current sets of FP8 layers to be equal.
-        counters: also restore the element counters; ``False`` zeroes them and bumps their ``counts_epoch``
+        counters: also restore the element counters (and amax histograms); ``False`` zeroes them and bumps their
+            ``counts_epoch``
             (a fresh per-rank baseline: the precision plugin does this when resuming with more than one rank,
             since a checkpoint holds the counters of the rank that saved it).
 
@@ -477,7 +532,7 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = 
             dst_index = torch.tensor(dst, device=table.device)
             for name in STATE_FIELDS:
                 values = saved[name].index_select(0, src_index)
-                if name == "counts" and not counters:
+                if name in ("counts", "amax_bins") and not counters:
                     values = torch.zeros_like(values)
                 elif name == "counts_epoch" and not counters:  # differs from the saved and the current epoch
                     current = table.counts_epoch.index_select(0, dst_index).to(values.device)

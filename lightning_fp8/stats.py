@@ -27,6 +27,10 @@ Metric names::
     fp8/<layer>/<tensor>/scale           scale of the most recent cast (rowwise: smallest row scale)
     fp8/<layer>/<tensor>/overflow_frac   saturated or non-finite elements / elements cast, this interval
     fp8/<layer>/<tensor>/underflow_frac  non-zero elements flushed to zero / non-zero elements, this interval
+    fp8/<layer>/<tensor>/block_amax_median  rowwise, blockwise, mxfp8: the median amax of the rows / blocks cast
+                                         this interval, as the power of two at the bottom of its histogram bin
+                                         (the largest is ``amax``; FP8StatsCallback sends the histogram since
+                                         the start to TensorBoard / W&B as ``fp8/<layer>/<tensor>/block_amax_log2``)
     fp8/loss_scale                       current loss scale (1 when gradients are not scaled; absent
                                          without a loss scaler)
     fp8/skipped_steps                    optimizer steps skipped for non-finite gradients, since the start
@@ -39,11 +43,13 @@ Metric names::
 
 The ``*_frac`` metrics of a layer that cast nothing in the interval are left out. With several models
 (Fabric) each layer name starts with its model's class name (or index, if class names repeat).
-Under DDP the values are the reduced ones: amax the max over ranks, scale the min, counts the sum.
+Under DDP the values are the reduced ones: amax the max over ranks, scale the min, counts (and the block
+amax histograms) the sum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from collections.abc import Sequence
@@ -55,6 +61,7 @@ from torch import Tensor, nn
 
 from lightning_fp8.convert import unmatched_pattern_hint
 from lightning_fp8.distributed import REDUCE_MAX, REDUCE_MIN, REDUCE_SUM, reduce_statistics
+from lightning_fp8.quantize import AMAX_BIN_LOW, N_AMAX_BINS
 from lightning_fp8.recipe import ROLES
 from lightning_fp8.state import NONZERO, OVERFLOW, SEEN, UNDERFLOW, FP8StateTable, fp8_layers
 
@@ -73,11 +80,33 @@ class LayerReading:
     history: list[list[float]]
     counts: list[list[float]]  #: seen, nonzero, overflow, underflow (cumulative)
     counts_epoch: float
+    #: per role, the cumulative histogram of the row / block amaxes (empty for per-tensor recipes): see
+    #: :func:`lightning_fp8.quantize.amax_bins` for the bins
+    amax_bins: list[list[float]] = dataclasses.field(default_factory=list)
 
     @property
     def amax(self) -> list[float]:
         """The most recent amax of each role."""
         return [h[0] for h in self.history]
+
+
+def amax_bin_edges() -> list[float]:
+    """The lower edge of each bin of an amax histogram (:func:`lightning_fp8.quantize.amax_bins`): 0, the powers of
+    two ``2**AMAX_BIN_LOW`` .. ``2**AMAX_BIN_HIGH``, and ``inf`` for the non-finite bin."""
+    return [0.0] + [2.0**e for e in range(AMAX_BIN_LOW, AMAX_BIN_LOW + N_AMAX_BINS - 2)] + [math.inf]
+
+
+def block_amax_median(histogram: Sequence[float]) -> float | None:
+    """The lower edge of the bin holding the median of an amax histogram (``None`` for an empty one)."""
+    total = sum(histogram)
+    if total <= 0:
+        return None
+    running = 0.0
+    for edge, count in zip(amax_bin_edges(), histogram):
+        running += count
+        if running >= total / 2:
+            return edge
+    return math.inf
 
 
 @dataclass
@@ -136,6 +165,7 @@ class FP8Stats:
         """Forget the interval baseline and the totals."""
         self.last_counts: dict[str, list[list[float]]] = {}
         self.last_epoch: dict[str, float] = {}
+        self.last_bins: dict[str, list[list[float]]] = {}
         self.total_counts: dict[str, list[list[float]]] = {}
         self.last_skipped = 0.0
         self.has_baseline = False
@@ -235,7 +265,7 @@ class FP8Stats:
         parts: list[Tensor] = []
         for block in blocks:
             t = block.table
-            for tensor in (t.scale, t.amax_history, t.counts, t.counts_epoch):
+            for tensor in (t.scale, t.amax_history, t.counts, t.counts_epoch, t.amax_bins):
                 parts.append(tensor.reshape(-1).to(torch.float64))
         for name in ("loss_scale", "skipped_steps"):
             value = self._plugin_value(name)
@@ -244,13 +274,15 @@ class FP8Stats:
         return torch.cat(parts)
 
     def _reduction_kinds(self, blocks: list[_Block], device: torch.device) -> Tensor:
-        key = tuple((id(b.table), b.table.num_layers, b.table.recipe.amax_history_len) for b in blocks) + (device,)
+        key = tuple((id(b.table), b.table.num_layers, b.table.recipe.amax_history_len, b.table.amax_bins.numel()) for b in blocks)
+        key += (device,)
         if self._kinds is None or self._kinds[0] != key:
             kinds: list[int] = []
             for block in blocks:
                 t = block.table
                 kinds += [REDUCE_MIN] * t.scale.numel() + [REDUCE_MAX] * t.amax_history.numel()
                 kinds += [REDUCE_SUM] * t.counts.numel() + [REDUCE_MAX] * t.counts_epoch.numel()
+                kinds += [REDUCE_SUM] * t.amax_bins.numel()
             kinds += [REDUCE_MAX, REDUCE_MAX]  # loss scale and skipped steps are the same on every rank
             self._kinds = (key, torch.tensor(kinds, dtype=torch.int8, device=device))
         return self._kinds[1]
@@ -276,6 +308,8 @@ class FP8Stats:
             history, pos = values[pos : pos + n * _N_ROLES * length], pos + n * _N_ROLES * length
             counts, pos = values[pos : pos + n * _N_ROLES * _N_COUNTS], pos + n * _N_ROLES * _N_COUNTS
             epochs, pos = values[pos : pos + n], pos + n
+            nbins = t.role_amax_bins[0].shape[1]
+            bins, pos = values[pos : pos + n * _N_ROLES * nbins], pos + n * _N_ROLES * nbins
             for row, name in sorted(block.names, key=lambda rn: rn[0]):
                 layers[name] = LayerReading(
                     recipe=t.recipe.name,
@@ -288,6 +322,11 @@ class FP8Stats:
                         for r in range(_N_ROLES)
                     ],
                     counts_epoch=epochs[row],
+                    amax_bins=[
+                        bins[(row * _N_ROLES + r) * nbins : (row * _N_ROLES + r + 1) * nbins] for r in range(_N_ROLES)
+                    ]
+                    if nbins
+                    else [],
                 )
         self.layer_names = list(layers)
         return FP8Reading(layers, loss_scale=values[pos], skipped_steps=values[pos + 1])
@@ -299,6 +338,7 @@ class FP8Stats:
             return
         self.last_counts = {name: layer.counts for name, layer in reading.layers.items()}
         self.last_epoch = {name: layer.counts_epoch for name, layer in reading.layers.items()}
+        self.last_bins = {name: layer.amax_bins for name, layer in reading.layers.items() if layer.amax_bins}
         self.last_skipped = reading.skipped_steps
         self.has_baseline = True
 
@@ -336,6 +376,11 @@ class FP8Stats:
                     metrics[f"{prefix}/underflow_frac"] = under
                     if under > worst_under[0]:
                         worst_under = (under, index)
+            if layer.amax_bins:
+                if last is layer.counts:  # set back: a new baseline, no interval (as for the counts)
+                    self.last_bins[name] = layer.amax_bins
+                else:
+                    self._block_amax_metrics(metrics, name, layer, restarted=last is zeros)
             self.last_counts[name] = layer.counts
             self.last_epoch[name] = layer.counts_epoch
         if not math.isnan(reading.loss_scale):
@@ -355,6 +400,17 @@ class FP8Stats:
             metrics["fp8/scale_min"], metrics["fp8/scale_max"] = min(finite), max(finite)
         return metrics
 
+    def _block_amax_metrics(self, metrics: dict[str, float], name: str, layer: LayerReading, restarted: bool) -> None:
+        """``block_amax_median`` of each role from the interval's histogram (the cumulative one after a restart)."""
+        before = self.last_bins.get(name)
+        for r, role in enumerate(ROLES):
+            now = layer.amax_bins[r]
+            delta = now if restarted or before is None else [a - b for a, b in zip(now, before[r])]
+            median = block_amax_median(delta)
+            if median is not None:
+                metrics[f"fp8/{name}/{role}/block_amax_median"] = median
+        self.last_bins[name] = layer.amax_bins
+
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The interval baseline and the totals (plain values)."""
@@ -364,6 +420,7 @@ class FP8Stats:
             "total_counts": self.total_counts,
             "last_skipped": self.last_skipped,
             "has_baseline": self.has_baseline,
+            "last_bins": self.last_bins,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -373,3 +430,4 @@ class FP8Stats:
         self.total_counts = state["total_counts"]
         self.last_skipped = state["last_skipped"]
         self.has_baseline = state.get("has_baseline", bool(self.last_counts))
+        self.last_bins = state.get("last_bins", {})

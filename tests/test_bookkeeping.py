@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_fp8 as lf
+from lightning_fp8.recipe import RECIPES
 from lightning_fp8.fabric import FP8Precision
 
 
@@ -64,7 +65,7 @@ def _bookkeeping_ops(n_layers: int, recipe: str, loss_scaling: str) -> Counter[s
     return counted[-2] + counted[-1]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("loss_scaling", ["dynamic", "skip_nonfinite"])
 def test_bookkeeping_op_count_does_not_grow_with_depth(recipe, loss_scaling):
     shallow = _bookkeeping_ops(8, recipe, loss_scaling)

@@ -71,7 +71,7 @@ def test_plugin_state_holds_only_tensors_and_plain_values(delayed_checkpoint):
     assert plain(state)
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
 def test_exact_resume_single_device(recipe, tmp_path):
     straight = fresh()
     make_trainer(FP8Precision(recipe=recipe), 2).fit(straight, loader(n=N_DATA))

@@ -205,6 +205,28 @@ def test_issue_yaml_trains_in_fp8(lm, monkeypatch, tmp_path):
     assert stats.log_every_n_steps == 10 and result.trainer.callbacks.count(stats) == 1
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_block_recipe_from_a_flag_trains_the_example_with_statistics(lm, monkeypatch, tmp_path, recipe):
+    """``--trainer.plugins.recipe blockwise`` (issue 10's acceptance): the example trains with a block recipe and
+    the stats callback, which logs the block amax median next to the usual statistics."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    (tmp_path / "tiny.yaml").write_text(TINY.replace("logger: false", "logger: {class_path: CSVLogger, init_args: {save_dir: %s}}" % tmp_path))
+    (tmp_path / "fp8.yaml").write_text(ISSUE_YAML.replace("log_every_n_steps: 10", "log_every_n_steps: 1"))
+    result = lm.main(
+        ["fit", "--config", str(tmp_path / "tiny.yaml"), "--config", str(tmp_path / "fp8.yaml"),
+         "--trainer.plugins.recipe", recipe, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+         "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(tmp_path),
+         "--data.max_train_bytes", "200000"]
+    )  # fmt: skip
+    plugin, (stats,) = fp8_objects(result)
+    assert plugin.recipe == lf.FP8Recipe(name=recipe, amax_history_len=16)
+    assert result.trainer.global_step == 2 and len(plugin.report.fp8_layers) == 5
+    fc = result.model.blocks[0].fc
+    assert isinstance(fc, lf.FP8Linear) and int(fc.fp8_counts[0, 0]) > 0  # the layers really cast
+    header = (Path(result.trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "fp8/blocks.0.fc/input/block_amax_median" in header and "fp8/blocks.0.fc/grad_output/overflow_frac" in header
+
+
 # --------------------------------------------------------------------------------------------- command-line flags
 def test_plugins_and_callbacks_from_command_line_flags(cli):
     result = cli(

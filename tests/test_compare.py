@@ -119,7 +119,7 @@ def test_python_function_on_a_dataloader(tmp_path):
 
 
 def test_bad_inputs_fail_with_a_clear_message(capsys):
-    valid = r"choose from \['tensorwise', 'delayed', 'rowwise'\]"
+    valid = r"choose from \['tensorwise', 'delayed', 'rowwise', 'blockwise', 'mxfp8'\]"
     with pytest.raises(ValueError, match=r"unknown recipe\(s\) \['fp16'\]; " + valid):
         compare.compare_precisions(lambda: None, None, recipes=["fp16"], steps=3, warmup=1)
     with pytest.raises(ValueError, match="steps must be larger than warmup"):

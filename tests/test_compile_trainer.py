@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from utils import make_trainer
 
 from lightning_fp8 import FP8Linear, FP8Precision
+from lightning_fp8.recipe import RECIPES
 
 SEQ, BATCH, DIM = 16, 4, 32
 
@@ -51,7 +52,7 @@ class CompiledInConfigureModel(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_model_compiled_in_configure_model_trains_in_fp8_in_one_graph(recipe):
     torch._dynamo.reset()
     counters.clear()

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import lightning_fp8 as lf
+from lightning_fp8.recipe import BLOCK_RECIPES, RECIPES
 from lightning_fp8 import gemm
 from lightning_fp8.gemm import ScaledMMContractError, check_scaled_mm_contract, emulated_scaled_mm, fp8_mm, gemm_path
 
@@ -231,7 +232,7 @@ def _max_ulp_diff(x: torch.Tensor, y: torch.Tensor) -> int:
 # --- every GEMM of an FP8Linear goes through the contract check ------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r not in BLOCK_RECIPES])  # blocks: test_block_recipes.py
 @pytest.mark.parametrize("shape", [(2, 8, 64), (5, 64), (3, 7, 64)])
 def test_contract_checked_on_every_gemm_of_fp8_linear(monkeypatch, recipe, shape):
     calls = []

@@ -201,3 +201,28 @@ def test_current_scaling_reports_no_overflow(recipe):
         _record(table, INPUT, quantize(x, spec, history_scale=torch.tensor(1.0), history_ready=torch.tensor(False)))
     assert table.counts[0, INPUT, OVERFLOW].item() == 0
     assert table.counts[0, INPUT, SEEN].item() == 300 * 32 * 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_count_shortcuts_equal_the_direct_formulas(dtype):
+    """For a scale from the tensor's own amax, cast_statistics reads the overflows from the FP8 bits: the counts must
+    be exactly those of the direct formulas, on the cases that could tell them apart (zeros, -0.0, NaN, +-Inf,
+    float32 subnormals, a NaN scale turning zeros into NaN)."""
+    from lightning_fp8.recipe import FP8_MAX, amax_to_scale
+
+    fp8_max = FP8_MAX[dtype]
+    x = torch.randn(64, 96) * torch.logspace(-12, 6, 96)
+    x[0, :4] = torch.tensor([0.0, -0.0, float("nan"), float("inf")])
+    x[1, :3] = torch.tensor([float("-inf"), 1e-45, -1e-40])  # subnormal float32 values
+    for finite in (False, True):
+        t = torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-2.0) if finite else x
+        own = amax_to_scale(t.abs().amax(), fp8_max)  # may be NaN (x holds a NaN): all elements overflow
+        for scale, overflow_free in [(own, True), (own, False), (torch.tensor(1e3), False), (torch.tensor(3.0), False)]:
+            x_scaled = t.float() * scale
+            data = saturated_cast(x_scaled, dtype)
+            direct = torch.stack([
+                torch.count_nonzero(t != 0),
+                torch.count_nonzero(~(x_scaled.abs() <= fp8_max)),
+                torch.count_nonzero((t != 0) & ((data.view(torch.uint8) & 0x7F) == 0)),
+            ])  # fmt: skip
+            assert torch.equal(cast_statistics(t, x_scaled, data, overflow_free), direct), (finite, float(scale))

@@ -79,7 +79,7 @@ def test_to_dict_round_trips(recipe):
 @pytest.mark.parametrize(
     ("kwargs", "field", "valid"),
     [
-        ({"name": "blockwise"}, "recipe", ["tensorwise", "delayed", "rowwise"]),
+        ({"name": "blockwize"}, "recipe", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]),
         ({"fp8_format": "e5m2"}, "fp8_format", ["hybrid", "e4m3"]),
         ({"amax_compute_algo": "mean"}, "amax_compute_algo", ["max", "most_recent"]),
     ],

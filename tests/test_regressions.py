@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from utils import make_trainer
 
 import lightning_fp8 as lf
+from lightning_fp8.recipe import RECIPES
 from lightning_fp8 import FP8Linear, FP8Precision
 from lightning_fp8.fabric import FP8Precision as FabricFP8Precision
 
@@ -103,7 +104,7 @@ def test_reentrant_checkpointing_rolls_once_per_optimizer_step():
         ), name  # grad_output recorded once per micro-batch, like the input
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_trainer_checkpointing_reentrant_or_not_trains_bit_identically(recipe):
     """Activation checkpointing (both flavours) must not change a single bit of the training run."""
     runs = []
@@ -126,7 +127,7 @@ def test_trainer_checkpointing_reentrant_or_not_trains_bit_identically(recipe):
 # ---------------------------------------------------------------- 3. standalone fp8_autocast + checkpointing
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_standalone_checkpointing_gradients_are_bit_identical(recipe, use_reentrant):
     """Standalone delayed scaling rolled the input scale after the forward's cast, so the recomputation
@@ -378,7 +379,7 @@ def test_throughput_monitor_uses_the_right_peak(monkeypatch, compute_dtype, path
 
     from lightning_fp8 import gemm
 
-    monkeypatch.setattr(gemm, "gemm_path", lambda device: path)
+    monkeypatch.setattr(gemm, "gemm_path", lambda device, recipe="tensorwise": path)
     seen = []
     monkeypatch.setattr(throughput_monitor, "get_available_flops", lambda device, dtype: seen.append(dtype) or 1e12)
     model = nn.Sequential(nn.Linear(16, 16))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import lightning_fp8 as lf
+from lightning_fp8.recipe import RECIPES
 from lightning_fp8 import FP8Linear, FP8Recipe
 from lightning_fp8 import quantize as cast_module
 from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT
@@ -64,7 +65,7 @@ def _model(recipe="tensorwise"):
 # --- the state table and its views ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_state_is_not_in_state_dict_nor_buffers(recipe):
     plain = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     model = copy.deepcopy(plain)
@@ -129,7 +130,7 @@ def _plain_values_only(obj) -> bool:
     return False
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_state_dict_round_trip(recipe):
     model = _model(recipe)
     for i in range(3):
@@ -236,7 +237,7 @@ def test_nested_regions_roll_once_at_the_outermost_exit():
     assert (layer.fp8_amax_history[:, 1] == 0).all() and (layer.fp8_amax_pending[:2] > 0).all()
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_deferred_roll_keeps_max_pending(recipe):
     model = _model(recipe)
     xs = [torch.randn(8, 32) * s for s in (1.0, 4.0, 2.0)]

@@ -5,6 +5,10 @@ this file, run as a script. The child builds every case of :func:`_cases`, runs 
 tensors under the Triton interpreter, compares data (``.view(torch.uint8)``) and counts with
 ``saturated_cast`` / ``cast_statistics``, counts kernel launches, and prints one JSON line after a
 marker. The tests in this process read that report: a wrong kernel, a crash or a missing launch fails.
+
+The block kernel (:func:`~lightning_fp8.triton_cast.triton_block_cast`) is checked the same way against the torch
+reference ``quantize(x, spec)`` of a ``"block"`` cast spec (:func:`_block_cases`): data, block scales and block
+amaxes bit for bit (NaNs in the same places) and the exact counts; and ``quantize()`` must dispatch to it.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import pytest
 import torch
 
 from lightning_fp8 import triton_cast
-from lightning_fp8.quantize import cast_statistics, cast_with_statistics, saturated_cast
-from lightning_fp8.recipe import E4M3, E5M2, FP8_MAX, amax_to_scale
-from lightning_fp8.triton_cast import BLOCK_SIZE, triton_cast_with_statistics, use_triton
+from lightning_fp8.quantize import cast_statistics, cast_with_statistics, current_amax, quantize, saturated_cast
+from lightning_fp8.recipe import AMAX_EPS, E4M3, E5M2, FP8_MAX, INPUT, CastSpec, amax_to_scale
+from lightning_fp8.triton_cast import BLOCK_SIZE, triton_block_cast, triton_cast_with_statistics, use_triton
 
 MARKER = "TRITON_CAST_INTERPRETER_REPORT "
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -137,6 +141,134 @@ DISPATCH_CASES = ["e4m3-bf16-per-row-37x129", "e5m2-fp32-tensorwise-37x129"]
 INT64_INDEX_CASES = ["e4m3-fp32-per-row-5x2051", "e5m2-bf16-per-column-5x2051", "e4m3-fp16-tensorwise-37x129"]
 
 
+# ------------------------------------------------------------------------------------------ block cases
+
+BLOCKS = {
+    "1x128": (1, 128),
+    "128x1": (128, 1),
+    "128x128": (128, 128),
+    "1x32": (1, 32),
+    "32x1": (32, 1),
+    "3x40": (3, 40),
+}
+NAN, INF = float("nan"), float("inf")
+
+
+def _block_spec(block: tuple[int, int], fp8: torch.dtype, power_of_2: bool) -> CastSpec:
+    return CastSpec(INPUT, fp8, "block", None, "current", 0, power_of_2, block)
+
+
+def _block_input(shape: tuple[int, int], dtype: torch.dtype, block: tuple[int, int], seed: int) -> torch.Tensor:
+    """Blocks whose amaxes spread over 2**-67 .. 2**113 (some below eps), elements over ~30 binades within a block
+    (FP8 subnormals and flushes), a block of zeros, NaN in the bottom-right block (partial in both dimensions),
+    Inf in two edge blocks, float32 subnormal inputs, and the specials of :func:`_random`."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    if dtype == torch.float16:  # |x| in 1e-8 .. 1e4: fp16 subnormals, no accidental infinities
+        x = torch.randn(shape, generator=g) * 10 ** (torch.rand(shape, generator=g) * 12 - 8)
+    else:
+        x = _random(shape, torch.float32, g)
+        x = x * torch.exp2(torch.linspace(-60, 60, rows).round())[:, None] * torch.exp2(torch.linspace(-30, 30, cols))
+        x[rows // 2, 1::7] = 1e-40  # float32 (and bfloat16) subnormals
+    bm, bn = block
+    x[:bm, :bn] = 0.0  # a block of zeros: amax 0, scale of eps
+    x[-1, -1] = NAN
+    x[-1, 0], x[0, -1] = INF, -INF
+    return x.to(dtype)
+
+
+def _block_cases() -> dict[str, Callable[[], dict]]:
+    """name -> builder of ``dict(x, spec, scale, statistics)``: the kernel's (and quantize's) arguments.
+
+    Main cases: (200, 300) (no dimension a multiple of 32 or 128, so both edges have partial blocks) with each
+    block shape, both formats, every input dtype and power_of_2 on and off (not the full product: the interpreter
+    is slow). ``amax-sweep``: one block per element (block (1, 1)), so 65536 amaxes across the float32 range (eps,
+    powers of two and their neighbours included) each go through the scale computation. ``given-scale``: the
+    kernel casts with given block scales (finite overflows, and 0, Inf and NaN scales, one on a partial block).
+    """
+    cases: dict[str, Callable[[], dict]] = {}
+    main = [
+        ("1x128", "e4m3", "fp32", False), ("1x128", "e5m2", "bf16", True),
+        ("128x1", "e4m3", "bf16", False), ("128x1", "e5m2", "fp32", True),
+        ("128x128", "e4m3", "fp32", False), ("128x128", "e4m3", "bf16", True), ("128x128", "e5m2", "fp16", False),
+        ("1x32", "e4m3", "fp32", True), ("1x32", "e5m2", "fp16", True),
+        ("32x1", "e4m3", "bf16", True), ("32x1", "e5m2", "fp32", False),
+    ]  # fmt: skip
+    for bname, fmt, dname, pow2 in main:
+        seed = zlib.crc32(f"{bname}-{fmt}-{dname}".encode())
+
+        def build(block=BLOCKS[bname], fp8=FORMATS[fmt], dtype=DTYPES[dname], pow2=pow2, seed=seed) -> dict:
+            x = _block_input((200, 300), dtype, block, seed)
+            return {"x": x, "spec": _block_spec(block, fp8, pow2), "scale": None, "statistics": True}
+
+        cases[f"{bname}-{fmt}-{dname}-{'pow2' if pow2 else 'exact'}-200x300"] = build
+    # A block shape that is no power of two (padded lanes inside every block), on a small tensor.
+    cases["3x40-e4m3-fp32-pow2-50x130"] = lambda: {
+        "x": _block_input((50, 130), torch.float32, (3, 40), 11),
+        "spec": _block_spec((3, 40), E4M3, True),
+        "scale": None,
+        "statistics": True,
+    }
+    for fmt, fp8 in FORMATS.items():
+        for pow2 in (False, True):
+            cases[f"amax-sweep-{fmt}-{'pow2' if pow2 else 'exact'}"] = lambda fp8=fp8, pow2=pow2: {
+                "x": _amax_sweep(),
+                "spec": _block_spec((1, 1), fp8, pow2),
+                "scale": None,
+                "statistics": True,
+            }
+    for bname, fmt, dname in [("1x128", "e4m3", "fp32"), ("32x1", "e5m2", "bf16")]:
+
+        def given(block=BLOCKS[bname], fp8=FORMATS[fmt], dtype=DTYPES[dname]) -> dict:
+            return _given_scale_case(block, fp8, dtype)
+
+        cases[f"given-scale-{bname}-{fmt}-{dname}-200x300"] = given
+    cases["statistics-off-1x128-e4m3-bf16-200x300"] = lambda: {
+        "x": _block_input((200, 300), torch.bfloat16, (1, 128), 13),
+        "spec": _block_spec((1, 128), E4M3, False),
+        "scale": None,
+        "statistics": False,
+    }
+    return cases
+
+
+def _amax_sweep() -> torch.Tensor:
+    """65536 float32 values (both signs) for block (1, 1): a sweep of the bit patterns of 0 .. Inf, the neighbours of
+    eps, the powers of two and 1.75 * the powers of two (whose scales are exact), NaN."""
+    eps = torch.tensor(AMAX_EPS, dtype=torch.float64).to(torch.float32)
+    near_eps = eps.view(torch.int32) + torch.arange(-3, 4, dtype=torch.int32)
+    powers = torch.exp2(torch.arange(-130, 128, dtype=torch.float32))
+    exact = torch.cat([powers, powers[:-1] * 1.75]).view(torch.int32)
+    special = torch.cat(
+        [near_eps, exact - 1, exact, exact + 1, torch.tensor([0, 1, 0x7F800000, 0x7FC00000], dtype=torch.int32)]
+    )
+    sweep = torch.linspace(0, 0x7F800000, 65536 - special.numel(), dtype=torch.float64).to(torch.int32)
+    bits = torch.cat([special, sweep])
+    x = bits.view(torch.float32).clone()
+    x[1::2] = -x[1::2]
+    return x.reshape(256, 256)
+
+
+def _given_scale_case(block: tuple[int, int], fp8: torch.dtype, dtype: torch.dtype) -> dict:
+    x = _block_input((200, 300), dtype, block, 17)
+    spec = _block_spec(block, fp8, False)
+    amax = current_amax(x, spec)
+    g = torch.Generator().manual_seed(19)
+    scale = amax_to_scale(amax, spec.fp8_max) * torch.exp2(torch.randint(-3, 4, amax.shape, generator=g).float())
+    scale = torch.where(torch.isfinite(scale), scale, torch.ones_like(scale))
+    scale[0, 1], scale[1, 0], scale[-1, -1] = 0.0, INF, NAN  # the NaN on the partial bottom-right block
+    return {"x": x, "spec": spec, "scale": scale, "statistics": True}
+
+
+BLOCK_DISPATCH_CASES = [
+    "1x128-e5m2-bf16-pow2-200x300",
+    "32x1-e4m3-bf16-pow2-200x300",
+    "given-scale-1x128-e4m3-fp32-200x300",
+    "statistics-off-1x128-e4m3-bf16-200x300",
+]
+BLOCK_INT64_INDEX_CASES = ["128x1-e5m2-fp32-pow2-200x300", "3x40-e4m3-fp32-pow2-50x130"]
+
+
 # ------------------------------------------------------------------------------- the child process
 
 
@@ -165,20 +297,113 @@ def _compare(run: Callable[..., tuple[torch.Tensor, torch.Tensor]], x, scale, fp
     return result
 
 
+def _bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements of two float32 tensors whose bits differ, NaN matching any NaN; -1 if dtype or shape differ."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return -1
+    a_nan, b_nan = torch.isnan(a), torch.isnan(b)
+    differ = (a.view(torch.int32) != b.view(torch.int32)) & ~a_nan & ~b_nan
+    return int((a_nan != b_nan).sum() + differ.sum())
+
+
+def _data_mismatches(data: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> dict[str, object]:
+    if data.dtype != ref.dtype or data.shape != ref.shape:
+        return {"data_mismatches": -1}
+    bad = (data.view(torch.uint8) != ref.view(torch.uint8)).reshape(-1)
+    result: dict[str, object] = {"data_mismatches": int(bad.sum())}
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        result["first_mismatch"] = (
+            f"flat index {i} (row {i // x.shape[-1]}, column {i % x.shape[-1]}): x={x.reshape(-1)[i].item()!r} "
+            f"kernel=0x{int(data.view(torch.uint8).reshape(-1)[i]):02x} "
+            f"reference=0x{int(ref.view(torch.uint8).reshape(-1)[i]):02x}"
+        )
+    return result
+
+
+def _compare_block(x: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None, statistics: bool) -> dict[str, object]:
+    """The kernel against the torch reference ``quantize(x, spec)`` (and its block amaxes, ``current_amax``)."""
+    data, kernel_scale, amax, counts = triton_block_cast(
+        x, spec.block, spec.dtype, power_of_2=spec.power_of_2, margin=spec.margin, scale=scale, statistics=statistics
+    )
+    ref = quantize(x, spec, scale=scale, statistics=statistics)
+    result: dict[str, object] = {
+        "data_meta": [str(data.dtype), list(data.shape)],
+        "ref_data_meta": [str(ref.data.dtype), list(ref.data.shape)],
+        "scale_mismatches": _bit_mismatches(kernel_scale, ref.scale),
+        "amax_mismatches": _bit_mismatches(amax, current_amax(x, spec)),
+        "counts_meta": None if counts is None else [str(counts.dtype), list(counts.shape)],
+        "counts": None if counts is None else counts.tolist(),
+        "ref_counts": None if ref.stats is None else ref.stats.counts.tolist(),
+        **_data_mismatches(data, ref.data, x),
+    }
+    return result
+
+
+def _compare_block_dispatch(
+    x: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None, statistics: bool, cast_module
+) -> dict[str, object]:
+    """``quantize()`` with ``use_triton`` true (as on CUDA) against ``quantize()`` running the torch reference."""
+    cast_module.use_triton = lambda x: False
+    ref = quantize(x, spec, scale=scale, statistics=statistics)
+    cast_module.use_triton = lambda x: True
+    q = quantize(x, spec, scale=scale, statistics=statistics)
+    result: dict[str, object] = {
+        "data_meta": [str(q.data.dtype), list(q.data.shape)],
+        "ref_data_meta": [str(ref.data.dtype), list(ref.data.shape)],
+        "scale_mismatches": _bit_mismatches(q.scale, ref.scale),
+        "block": [list(q.block or ()), list(ref.block or ())],
+        "stats": [q.stats is None, ref.stats is None],
+        **_data_mismatches(q.data, ref.data, x),
+    }
+    if q.stats is not None and ref.stats is not None:
+        result["stats_mismatches"] = {
+            "amax": _bit_mismatches(q.stats.amax, ref.stats.amax),
+            "scale": _bit_mismatches(q.stats.scale, ref.stats.scale),
+            "numel": int(q.stats.numel != ref.stats.numel),
+            "counts": int(not torch.equal(q.stats.counts, ref.stats.counts)),
+            "amax_bins": int(not torch.equal(q.stats.amax_bins, ref.stats.amax_bins)),
+        }
+    return result
+
+
 def _run_in_interpreter() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run this with TRITON_INTERPRET=1"
     import lightning_fp8.quantize as cast_module
 
     kernel = triton_cast._kernel()
+    block_kernel = triton_cast._block_kernel()
     launches: list[object] = []
+    block_launches: list[object] = []
 
     class CountingKernel:
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
+    class CountingBlockKernel:
+        def __getitem__(self, grid):
+            block_launches.append(grid)
+            return block_kernel[grid]
+
     triton_cast._kernel = CountingKernel  # type: ignore[assignment]
+    triton_cast._block_kernel = CountingBlockKernel  # type: ignore[assignment]
     cases = _cases()
+    block_cases = _block_cases()
+
+    def run_block_cases(compare: Callable[..., dict], names: list[str], *extra) -> dict[str, dict]:
+        results = {}
+        for name in names:
+            before, block_before = len(launches), len(block_launches)
+            try:
+                case = block_cases[name]()
+                result = compare(case["x"], case["spec"], case["scale"], case["statistics"], *extra)
+            except Exception:
+                result = {"error": traceback.format_exc()}
+            result["launches"] = len(launches) - before
+            result["block_launches"] = len(block_launches) - block_before
+            results[name] = result
+        return results
 
     def run_cases(run: Callable[..., tuple[torch.Tensor, torch.Tensor]], names: list[str]) -> dict[str, dict]:
         results = {}
@@ -192,14 +417,20 @@ def _run_in_interpreter() -> None:
             results[name] = result
         return results
 
-    report = {"kernel_type": type(kernel).__name__}
+    report = {"kernel_type": type(kernel).__name__, "block_kernel_type": type(block_kernel).__name__}
     report["cases"] = run_cases(triton_cast_with_statistics, list(cases))
+    report["block_cases"] = run_block_cases(_compare_block, list(block_cases))
+    # Through quantize(), as on CUDA: a block spec must run the block kernel, once (and the reference otherwise).
+    report["block_dispatch"] = run_block_cases(_compare_block_dispatch, BLOCK_DISPATCH_CASES, cast_module)
     # Through the dispatch point, as on CUDA: cast_with_statistics must call the kernel.
     cast_module.use_triton = lambda x: True
     report["dispatch"] = run_cases(cast_with_statistics, DISPATCH_CASES)
-    # The int64-index variant (tensors of 2**31 elements and more), forced on small tensors.
+    # The int64-index variants (tensors of 2**31 elements and more), forced on small tensors.
     triton_cast._MAX_INT32_NUMEL = 0
     report["int64_index"] = run_cases(triton_cast_with_statistics, INT64_INDEX_CASES)
+    triton_cast._MAX_INT32_OFFSET = 0
+    cast_module.use_triton = lambda x: False
+    report["block_int64_index"] = run_block_cases(_compare_block, BLOCK_INT64_INDEX_CASES)
     print(MARKER + json.dumps(report), flush=True)
 
 
@@ -245,6 +476,111 @@ def test_cast_with_statistics_dispatches_to_triton(interpreter_report, name):
 @pytest.mark.parametrize("name", INT64_INDEX_CASES)
 def test_triton_cast_int64_indexing_matches_reference(interpreter_report, name):
     _check(interpreter_report["int64_index"][name], expect_launch=True)
+
+
+def _check_block(result: dict, statistics: bool = True) -> None:
+    assert "error" not in result, result.get("error")
+    assert result["block_launches"] == 1, "the Triton block kernel did not run exactly once"
+    assert result["launches"] == 0, "the elementwise Triton kernel ran for a block cast"
+    assert result["data_meta"] == result["ref_data_meta"], "data dtype/shape differ from the reference"
+    assert result["data_mismatches"] == 0, (
+        f"{result['data_mismatches']} FP8 bytes differ; {result.get('first_mismatch')}"
+    )
+    assert result["scale_mismatches"] == 0, f"{result['scale_mismatches']} block scales differ from the reference"
+    if "amax_mismatches" in result:
+        assert result["amax_mismatches"] == 0, f"{result['amax_mismatches']} block amaxes differ from the reference"
+    if "stats" in result:  # through quantize()
+        assert result["block"][0] == result["block"][1]
+        assert result["stats"] == [not statistics, not statistics]
+        if statistics:
+            assert result["stats_mismatches"] == dict.fromkeys(["amax", "scale", "numel", "counts", "amax_bins"], 0)
+    elif statistics:
+        assert result["counts_meta"] == ["torch.int64", [3]]
+        assert result["counts"] == result["ref_counts"], "[nonzero, overflow, underflow] differ from the reference"
+    else:
+        assert result["counts"] is None and result["ref_counts"] is None
+
+
+def test_interpreter_ran_the_triton_block_kernel(interpreter_report):
+    assert interpreter_report["block_kernel_type"] == "InterpretedFunction"
+    assert set(interpreter_report["block_cases"]) == set(_block_cases())
+
+
+@pytest.mark.parametrize("name", list(_block_cases()))
+def test_triton_block_cast_matches_reference_bit_for_bit(interpreter_report, name):
+    _check_block(interpreter_report["block_cases"][name], statistics=not name.startswith("statistics-off"))
+
+
+@pytest.mark.parametrize("name", BLOCK_DISPATCH_CASES)
+def test_quantize_dispatches_block_specs_to_triton(interpreter_report, name):
+    _check_block(interpreter_report["block_dispatch"][name], statistics=not name.startswith("statistics-off"))
+
+
+@pytest.mark.parametrize("name", BLOCK_INT64_INDEX_CASES)
+def test_triton_block_cast_int64_indexing_matches_reference(interpreter_report, name):
+    _check_block(interpreter_report["block_int64_index"][name])
+
+
+def test_block_cases_cover_what_they_claim():
+    """The block inputs hold what the bit-for-bit tests rely on, and the reference counts it."""
+    cases = _block_cases()
+    for name, build in cases.items():
+        case = build()
+        x, spec = case["x"], case["spec"]
+        amax = current_amax(x, spec)
+        if name.startswith("amax-sweep"):
+            assert amax.numel() == x.numel() == 65536 and torch.isnan(amax).any() and torch.isinf(amax).any()
+            assert (amax < AMAX_EPS).sum() > 100 and (amax == 0).any()
+            continue
+        assert all(n % b for n, b in zip(x.shape, spec.block) if b > 1), "partial blocks at the edges"
+        assert torch.isnan(amax[-1, -1]) and torch.isinf(amax).any() and (amax == 0).any()
+        if x.dtype != torch.float16:
+            assert (amax < AMAX_EPS).any() and (amax > 1e30).any()  # the eps clamp, and very large amaxes
+            assert (x.abs() < torch.finfo(torch.float32).tiny).logical_and(x != 0).any()  # float32 subnormals
+        q = quantize(x, spec, scale=case["scale"])
+        nonzero, overflow, underflow = q.stats.counts.tolist()
+        assert underflow > 0 and 0 < overflow <= nonzero <= x.numel()
+        if case["scale"] is not None:  # given scales saturate finite values too
+            data = q.data.float()
+            assert (data.abs() == spec.fp8_max).sum() > 0 and torch.isnan(q.scale).any() and (q.scale == 0).any()
+
+
+def test_block_reference_counts_no_padding():
+    """A NaN in a partial block makes its scale NaN: the reference counts x's elements only, not the zero padding
+    (0 * NaN = NaN) of the block, so overflow never exceeds numel (the kernel masks the padding the same way)."""
+    x = torch.ones(3, 44)
+    x[1, 0] = NAN
+    q = quantize(x, _block_spec((1, 128), E4M3, False))
+    assert q.stats.counts.tolist() == [132, 44, 0]
+    assert torch.isnan(q.data.float()[1]).all() and not torch.isnan(q.data.float()[[0, 2]]).any()
+
+
+def test_quantize_block_on_cpu_runs_the_reference(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the Triton block kernel must not run on CPU tensors")
+
+    monkeypatch.setattr("lightning_fp8.quantize.triton_block_cast", fail)
+    x = _block_input((40, 70), torch.float32, (1, 32), 1)
+    q = quantize(x, _block_spec((1, 32), E4M3, True))
+    assert q.data.shape == x.shape and q.scale.shape == (40, 3) and q.stats is not None
+
+
+@pytest.mark.parametrize(
+    "x, block, fp8, scale, error",
+    [
+        (torch.randn(3, 4, 5), (1, 128), E4M3, None, ValueError),  # not 2-D
+        (torch.randn(4, 3).t(), (1, 128), E4M3, None, ValueError),  # not contiguous
+        (torch.randn(3, 4, dtype=torch.float64), (1, 128), E4M3, None, TypeError),
+        (torch.randn(3, 4), (1, 128), torch.float16, None, ValueError),
+        (torch.randn(3, 4), (0, 128), E4M3, None, ValueError),
+        (torch.randn(3, 4), (256, 128), E4M3, None, ValueError),  # a block larger than one program holds
+        (torch.randn(3, 200), (1, 128), E4M3, torch.ones(3, 1), ValueError),  # wrong scale shape
+        (torch.randn(3, 200), (1, 128), E4M3, torch.ones(3, 2, dtype=torch.float64), TypeError),
+    ],
+)
+def test_triton_block_cast_rejects_what_it_does_not_support(x, block, fp8, scale, error):
+    with pytest.raises(error):
+        triton_block_cast(x, block, fp8, scale=scale)
 
 
 def test_cases_cover_what_they_claim():

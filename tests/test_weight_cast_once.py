@@ -1,0 +1,193 @@
+"""Each weight is cast to FP8 once per optimizer step (issue 11): counted through a real Trainer with gradient
+accumulation, activation checkpointing and validation in between, and bit-identical to casting at every use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import TinyDecoder, loader
+from utils import make_trainer
+
+import lightning_fp8 as lf
+from lightning_fp8 import linear as fp8_linear
+from lightning_fp8.recipe import RECIPES, WEIGHT
+
+_QUANTIZE = fp8_linear.quantize
+
+
+def _count_weight_casts(monkeypatch) -> list[tuple[object, bool]]:
+    """Record every weight cast the FP8 layers make: (its cast spec, with statistics or not)."""
+    calls: list[tuple[object, bool]] = []
+    real = _QUANTIZE
+
+    def counting(x, spec, *, statistics=True, **kwargs):
+        if spec.role == WEIGHT:
+            calls.append((spec, statistics))
+        return real(x, spec, statistics=statistics, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "quantize", counting)
+    return calls
+
+
+def _train(recipe: str, cache: bool, monkeypatch, steps: int = 3, accumulate: int = 4, **model_kwargs):
+    monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+    calls = _count_weight_casts(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyDecoder(layers=1, **model_kwargs)
+    trainer = make_trainer(
+        lf.FP8Precision(recipe=recipe), max_steps=steps, accumulate_grad_batches=accumulate, limit_val_batches=2,
+        val_check_interval=4, num_sanity_val_steps=1,
+    )  # fmt: skip
+    trainer.fit(model, loader(n=20_000), loader(n=4_000))
+    return model, calls
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_weight_is_cast_once_per_optimizer_step_and_bit_identical(recipe, monkeypatch):
+    cached, cached_calls = _train(recipe, True, monkeypatch)
+    every, every_calls = _train(recipe, False, monkeypatch)
+    layers = len(list(lf.state.fp8_layers(cached)))
+    specs = cached.lm_head.fp8_state.table.specs
+    per_use = 1 + (not specs.weight_reused)  # the forward's cast, and the backward's own when it casts differently
+    recorded = lambda calls: sum(1 for _, statistics in calls if statistics)  # noqa: E731
+    # the training forwards' casts (with statistics): one per layer and micro-batch, or one per optimizer step
+    assert recorded(every_calls) == layers * 3 * 4
+    assert recorded(cached_calls) == layers * 3
+    # the backward's own casts (recipes whose grad_input GEMM casts the weight differently): likewise
+    if per_use == 2:
+        backward = lambda calls: sum(1 for spec, _ in calls if spec == specs.grad_input[1])  # noqa: E731
+        assert backward(every_calls) == layers * 3 * 4 and backward(cached_calls) == layers * 3
+    # the weights, and every FP8 scale and amax, bit for bit
+    for (name, a), (_, b) in zip(cached.state_dict().items(), every.state_dict().items()):
+        assert torch.equal(a, b), name
+    s_cached, s_every = lf.fp8_state_dict(cached), lf.fp8_state_dict(every)
+    for t_cached, t_every in zip(s_cached["tables"], s_every["tables"]):
+        for field in ("scale", "amax_history", "initialized"):
+            assert torch.equal(t_cached[field], t_every[field]), field
+        # the weight's statistics are recorded once per step, with the same fractions
+        c, e = t_cached["counts"][:, WEIGHT], t_every["counts"][:, WEIGHT]
+        assert torch.equal(c * 4, e)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "rowwise"])
+def test_activation_checkpointing_recomputation_reuses_the_cast(recipe, monkeypatch):
+    cached, cached_calls = _train(recipe, True, monkeypatch, steps=2, activation_checkpointing=True)
+    every, every_calls = _train(recipe, False, monkeypatch, steps=2, activation_checkpointing=True)
+    assert len(cached_calls) < len(every_calls)
+    for (name, a), (_, b) in zip(cached.state_dict().items(), every.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_weight_changed_in_place_is_cast_again():
+    layer = lf.FP8Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    with lf.fp8_autocast(), torch.no_grad():
+        layer.train()
+        first = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # bumps the version counter: the kept cast is stale
+        second = layer(x)
+    assert torch.allclose(second, 2 * first, rtol=0.1)
+    reference = lf.FP8Linear(64, 32, bias=False)
+    reference.load_state_dict(layer.state_dict())
+    with lf.fp8_autocast(), torch.no_grad():
+        assert torch.equal(reference(x), second)
+
+
+# --- review findings: a kept weight cast must never outlive the weight or the scale it was made for -----------------
+
+
+def _standalone_losses(cache: bool, monkeypatch, recipe: str, eval_mode: bool) -> list[float]:
+    monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    lf.convert_to_fp8(model, recipe=recipe)
+    model.train(not eval_mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-1, fused=True)  # updates without bumping versions
+    x, y = torch.randn(32, 64), torch.randn(32, 16)
+    losses = []
+    with lf.fp8_autocast():
+        for _ in range(4):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("eval_mode", [False, True])
+def test_standalone_region_with_a_fused_optimizer_sees_every_update(recipe, eval_mode, monkeypatch):
+    """A fused optimizer changes weights without bumping their version counters; a standalone region rolls only on
+    exit: its layers must cast the weight at every use."""
+    assert _standalone_losses(True, monkeypatch, recipe, eval_mode) == _standalone_losses(False, monkeypatch, recipe, eval_mode)
+
+
+def test_delayed_recomputation_after_a_roll_keeps_no_stale_cast(monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(cache):
+        monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+        torch.manual_seed(0)
+        layer = lf.FP8Linear(64, 64, bias=False, recipe="delayed")
+        x = torch.randn(16, 64)
+        region = lambda: lf.fp8_autocast(defer_amax_history_roll=True)  # noqa: E731  (as under the plugin)
+        with region():
+            checkpoint(layer, x.requires_grad_(), use_reentrant=False).sum().backward()
+        lf.roll_amax_history(layer)
+        with torch.no_grad():
+            layer.weight.mul_(4)  # the weight grows: the history's scale now saturates it
+        with region():
+            y = checkpoint(layer, x, use_reentrant=False)
+        lf.roll_amax_history(layer)  # the step ends before the backward recomputes (its scale: the forward's)
+        y.sum().backward()
+        layer.eval()
+        with region(), torch.no_grad():
+            return layer(x)
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_weights_swapped_through_data_around_evaluation_are_seen(monkeypatch, tmp_path):
+    """Lightning's WeightAveraging (EMA) swaps the averaged weights in with ``param.data.copy_`` (no version bump);
+    a validation inside an accumulation window must run on the averaged weights."""
+    from lightning.pytorch.callbacks import WeightAveraging
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    class Model(TinyDecoder):
+        def validation_step(self, batch, batch_idx):
+            self.val_losses.append(self.loss(batch).item())
+
+    def run(cache):
+        monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+        torch.manual_seed(0)
+        model = Model(layers=1, dim=32)
+        model.val_losses = []
+        ema = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        trainer = make_trainer(
+            lf.FP8Precision(), callbacks=[ema], max_steps=4, accumulate_grad_batches=4, val_check_interval=10,
+            limit_val_batches=1, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(model, loader(n=6_000), loader(n=2_000))
+        return model.val_losses
+
+    cached = run(True)
+    assert cached and cached == run(False)
+
+
+def test_a_dtype_round_trip_drops_the_kept_cast():
+    torch.manual_seed(0)
+    layer = lf.FP8Linear(64, 64, bias=False)
+    x = torch.randn(8, 64)
+    with lf.fp8_autocast(defer_amax_history_roll=True), torch.no_grad():
+        layer.eval()
+        layer(x)
+        layer.bfloat16()
+        layer.float()  # the weights are rounded to bf16 (storage and version may be the same)
+        after = layer(x)
+    fresh = lf.FP8Linear(64, 64, bias=False)
+    fresh.load_state_dict(layer.state_dict())
+    fresh.eval()
+    with lf.fp8_autocast(), torch.no_grad():
+        assert torch.equal(after, fresh(x))
