@@ -44,6 +44,7 @@ trained in high precision).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,8 @@ from lightning_fp8.region import fp8_region, in_inference_mode
 from lightning_fp8.state import STATE_FIELDS, FP8StateTable, state_tables
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from lightning_fp8.fabric import FP8PrecisionBase
 
 __all__ = ["calibrate"]
@@ -283,6 +286,40 @@ def preserved_loader_generators(loaders: Any) -> Iterator[None]:
     finally:
         for generator, state in states:
             generator.set_state(state)
+
+
+@contextlib.contextmanager
+def first_training_batches(trainer: pl.Trainer, num_batches: int) -> Iterator[Iterator[Any]]:
+    """The first ``num_batches`` batches of a pass over the Trainer's training dataloader, each moved to the device as
+    training moves it (``strategy.batch_to_device``: the LightningModule's transfer hooks), as an iterator that reads
+    the loader lazily inside the ``with`` block. Several loaders (a list or dict) are combined as Lightning combines
+    them for training (``CombinedLoader(..., "max_size_cycle")``).
+
+    In a fixed order (no shuffling, or the ``DistributedSampler`` Lightning adds under DDP, which shuffles by seed and
+    epoch) these are the batches training starts with. A shuffling sampler draws another order for this pass: Lightning
+    creates the training's iterator, and so draws its order, before ``on_train_start``.
+
+    On exit the random state is as it was, so that this extra pass does not change the training's data order or
+    dropout masks: the global generators (``torch.random.fork_rng``, with the CUDA generator of the root device) and
+    the loaders' own ``torch.Generator`` objects (:func:`preserved_loader_generators`). Used by the Trainer plugin's
+    calibration and by :class:`~lightning_fp8.FP8SensitivityCallback`.
+
+    Raises:
+        ValueError: if the Trainer has no training dataloader.
+    """
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loaders = trainer.train_dataloader
+    if loaders is None:
+        raise ValueError("the Trainer has no training dataloader")
+    strategy = trainer.strategy
+    root = strategy.root_device
+    with torch.random.fork_rng(devices=[root] if root.type == "cuda" else []), preserved_loader_generators(loaders):
+        batches = (
+            strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+            for batch, _, dataloader_idx in CombinedLoader(loaders, "max_size_cycle")
+        )
+        yield itertools.islice(batches, num_batches)
 
 
 @contextlib.contextmanager

@@ -126,7 +126,7 @@ class ConversionReport:
             f"FP8 active: recipe={self.recipe.name} fp8_format={self.recipe.fp8_format}, "
             f"{len(self.fp8_layers)} Linear layer(s) in FP8, {len(self.skipped)} skipped"
             + (f" ({skipped})" if skipped else "")
-            + f"; GEMM path: {describe_gemm_path(self.device)}"
+            + f"; GEMM path: {describe_gemm_path(self.device, self.recipe.name)}"
         )
 
     def __str__(self) -> str:
@@ -160,6 +160,11 @@ def _skip_reason(
 
 
 _GLOB_CHARS = frozenset("*?[")
+
+
+def exact_pattern(name: str) -> str:
+    """``name`` as an ``fnmatch`` pattern that matches exactly it (its glob characters escaped)."""
+    return "".join(f"[{c}]" if c in _GLOB_CHARS else c for c in name)
 
 
 def closest_names(pattern: str, names: Sequence[str], n: int = 5) -> list[str]:
@@ -304,7 +309,7 @@ def convert_to_fp8(
     if isinstance(exclude, str):
         exclude = [exclude]
     device = _device_of(module)
-    report = ConversionReport(recipe=recipe, gemm_path=gemm_path(device), device=str(device))
+    report = ConversionReport(recipe=recipe, gemm_path=gemm_path(device, recipe.name), device=str(device))
     parents: dict[str, nn.Module] = {}
     for name, child in module.named_modules():
         for child_name, grandchild in child.named_children():

@@ -17,6 +17,12 @@ What the plugin owns:
   Every model set up with the plugin is tracked (Fabric may set up
   several: a generator and a discriminator). Rank 0 logs one line per model with the recipe, the
   converted/skipped layers (with reasons), the GEMM path and the device.
+* **Layers kept in high precision by name** (``high_precision_layers``, next to ``exclude``):
+  :meth:`~FP8PrecisionBase.keep_in_high_precision` switches an FP8 layer back to its high-precision type (same
+  Parameters) and remembers it; ``convert_module`` then keeps it in high precision, exactly as an ``exclude`` pattern
+  would, for every later conversion (``trainer.validate`` / ``test`` / ``predict`` convert the model again), and the
+  checkpoint state carries the names, so that a resumed run or an evaluation from a checkpoint keeps them too.
+  :class:`~lightning_fp8.FP8FallbackCallback` uses it.
 * **The autocast region.** Every forward runs inside ``torch.autocast(compute_dtype)`` plus the FP8
   region (deferred rolling). With ``fp8_eval=False`` layers in eval mode compute in ``compute_dtype``.
 * **Loss scaling** (:mod:`lightning_fp8.loss_scaling`): by default ``"skip_nonfinite"`` for bfloat16
@@ -25,11 +31,12 @@ What the plugin owns:
   scale changed, the ``grad_output`` amaxes recorded under the old scale are rescaled to the new one
   (every table); under DDP the pending amaxes are MAX-reduced across ranks in one collective; then the
   amax histories roll. A constant number of tensor operations per state table, whatever the depth.
-* **Checkpoint state.** ``state_dict`` holds the loss-scaler state, the skipped-step count and the FP8
-  state of every model (in set-up order), as tensors and plain values only (``weights_only=True`` loads
-  it). The model ``state_dict`` is untouched: it keeps the keys and dtypes of the plain model. On resume
-  with more than one rank the element counters restart from zero on every rank (a checkpoint holds the
-  saving rank's counters); :class:`~lightning_fp8.stats.FP8Stats` takes a new baseline from them.
+* **Checkpoint state.** ``state_dict`` holds the loss-scaler state, the skipped-step count, the FP8
+  state of every model (in set-up order) and the layers kept in high precision, as tensors and plain values
+  only (``weights_only=True`` loads it). The model ``state_dict`` is untouched: it keeps the keys and dtypes
+  of the plain model. On resume with more than one rank the element counters restart from zero on every
+  rank (a checkpoint holds the saving rank's counters); :class:`~lightning_fp8.stats.FP8Stats` takes a new
+  baseline from them.
 
 Synchronisations: the FP8 layers and the bookkeeping never read a device value on the host. With
 an optimizer that accepts the scaler's tensors (``_step_supports_amp_scaling``, e.g.
@@ -46,6 +53,7 @@ nothing of it is inherited.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import weakref
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -63,10 +71,11 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_fp8 import gemm
-from lightning_fp8.convert import ConversionReport, check_exclude, convert_to_fp8
+from lightning_fp8.convert import ConversionReport, check_exclude, convert_from_fp8, convert_to_fp8, exact_pattern
 from lightning_fp8.distributed import all_reduce_pending_amax, world_size
 from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss_scaling
-from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.module import FP8Module
+from lightning_fp8.recipe import FP8Recipe, RecipeName
 from lightning_fp8.region import fp8_region
 from lightning_fp8.state import FP8StateTable, fp8_state_dict, load_fp8_state_dict, state_tables
 
@@ -133,6 +142,10 @@ class FP8PrecisionBase(Precision):
             checkpoint). Default ``0``: no calibration. Fabric has no training loop to hook into: there, call
             :func:`lightning_fp8.calibrate` before the loop; a value > 0 on Fabric's plugin is an error.
 
+    Attributes:
+        high_precision_layers: ``{fully-qualified layer name: reason}`` of the layers kept in high precision by name
+            (:meth:`keep_in_high_precision`), next to ``exclude``; saved in and restored from checkpoints.
+
     Raises:
         ValueError: for any invalid value, naming the field and the valid values.
     """
@@ -144,7 +157,7 @@ class FP8PrecisionBase(Precision):
     def __init__(
         self,
         *,
-        recipe: Literal["tensorwise", "delayed", "rowwise"] = "tensorwise",
+        recipe: RecipeName = "tensorwise",
         fp8_format: Literal["hybrid", "e4m3"] | None = None,
         amax_history_len: int = 16,
         amax_compute_algo: Literal["max", "most_recent"] | None = None,
@@ -210,6 +223,8 @@ class FP8PrecisionBase(Precision):
         self._announced = 0
         self._announced_plain = 0
         self._exclude_checked = 0
+        self.high_precision_layers: dict[str, str] = {}
+        self._switch_pending = False  # names in high_precision_layers whose FP8 layers are not switched yet
         _PLUGINS[:] = [ref for ref in _PLUGINS if ref() is not None]
         _PLUGINS.append(weakref.ref(self))
 
@@ -241,7 +256,7 @@ class FP8PrecisionBase(Precision):
             device = self._device()
         else:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        return torch.int8 if gemm.gemm_path(device) == "native" else self.compute_dtype
+        return torch.int8 if gemm.gemm_path(device, self.recipe.name) == "native" else self.compute_dtype
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -286,16 +301,24 @@ class FP8PrecisionBase(Precision):
                 model set up with the plugin has one, the first forward (Trainer: ``connect``) raises.
         """
         self._check_strategy(module)
+        self._switch_kept_layers()  # a switch still waiting for the next forward
+        for name, child in module.named_modules():  # FP8 already (an earlier conversion): convert_to_fp8 keeps it
+            if name in self.high_precision_layers and isinstance(child, FP8Module):
+                convert_from_fp8(child)
         # A pattern may name a layer of only one of several models (Fabric: a generator and a discriminator): the
-        # patterns are checked across all models in `announce`, once they are known.
+        # patterns are checked across all models in `announce`, once they are known. The layers kept in high precision
+        # by name are excluded exactly, with their own reason.
         report = convert_to_fp8(
             module,
             recipe=self.recipe,
-            exclude=self.exclude,
+            exclude=[*self.exclude, *map(exact_pattern, self.high_precision_layers)],
             skip_unaligned=self.skip_unaligned,
             log_summary=False,
             allow_unmatched_exclude=True,
         )
+        for name, reason in self.high_precision_layers.items():
+            if name in report.skipped and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
+                report.skipped[name] = reason
         if not report.fp8_layers:
             # Fabric may set up a model with nothing to convert next to FP8 ones (a conv discriminator, a frozen
             # teacher): it runs in compute_dtype. With no FP8 model at all, the first forward raises (announce).
@@ -316,6 +339,58 @@ class FP8PrecisionBase(Precision):
         self._tables = list({id(t): t for m in self.fp8_models for t in state_tables(m)}.values())
         self._optimizer_tables.clear()
         return module
+
+    def keep_in_high_precision(
+        self, name: str, reason: str = "kept in high precision", *, before_next_forward: bool = False
+    ) -> None:
+        """Switch the FP8 layer ``name`` back to its high-precision type (same Parameters: the optimizer and DDP are
+        unaffected) and keep it there for the rest of the plugin's life, as if ``exclude`` named it.
+
+        ``name`` is a fully-qualified layer name within a model set up with the plugin, as ``exclude`` patterns name
+        layers (the LightningModule's names for the Trainer), matched exactly; the layer of that name is switched in
+        every set-up model that has one. From then on ``convert_module`` keeps it in high precision, with ``reason`` in
+        the conversion report's ``skipped`` (``trainer.validate`` / ``test`` / ``predict`` convert the model again),
+        and :meth:`state_dict` saves the name, so that a run resumed from the checkpoint, or an evaluation of it,
+        switches it again before its first batch. Its row stays in its state table, unused; it is no longer rolled,
+        read by :class:`~lightning_fp8.FP8Stats` or exported by :func:`~lightning_fp8.fp8_state_dict`.
+
+        Args:
+            name: the layer's fully-qualified name.
+            reason: why (shown in the conversion report).
+            before_next_forward: switch it at the start of the next forward (any forward of a set-up model:
+                training, validation, test, predict), or at the next :meth:`state_dict` or teardown if those come
+                first, instead of now. :class:`~lightning_fp8.FP8FallbackCallback` decides at the end of a training
+                step: every callback that reads statistics at the end of that step still reads the layer, whatever
+                the callbacks' order.
+
+        Raises:
+            ValueError: if ``name`` is not a non-empty string.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be the fully-qualified name of a layer, got {name!r}")
+        self.high_precision_layers[name] = str(reason)
+        self._switch_pending = True
+        if not before_next_forward:
+            self._switch_kept_layers()
+
+    def _switch_kept_layers(self) -> list[str]:
+        """Switch the FP8 layers of the set-up models named in ``high_precision_layers`` (after a call of
+        :meth:`keep_in_high_precision`, or a restore); returns their names. A no-op (one flag test) otherwise."""
+        if not self._switch_pending:
+            return []
+        self._switch_pending = False
+        switched = []
+        for model, report in zip(self.fp8_models, self.reports):
+            for name, child in model.named_modules():
+                if name in self.high_precision_layers and isinstance(child, FP8Module):
+                    convert_from_fp8(child)
+                    switched.append(name)
+            for name, reason in self.high_precision_layers.items():  # a layer shared by two models is in both reports
+                if name in report.converted or name in report.already_fp8:
+                    report.converted[:] = [n for n in report.converted if n != name]
+                    report.already_fp8[:] = [n for n in report.already_fp8 if n != name]
+                    report.skipped[name] = reason
+        return switched
 
     def _check_strategy(self, module: nn.Module | None) -> None:
         """Refuse sharded modules (FSDP, FSDP2 / DTensor parameters), which this plugin cannot serve yet."""
@@ -386,7 +461,7 @@ class FP8PrecisionBase(Precision):
                 self.loss_scaler.bind(device)
             report = self.reports[index]
             report.device = str(device)
-            report.gemm_path = gemm.gemm_path(device)
+            report.gemm_path = gemm.gemm_path(device, report.recipe.name)
             rank_zero_info(f"lightning_fp8: {report.summary()}; compute dtype {self.compute_dtype}")
 
     def _check_exclude(self) -> None:
@@ -410,6 +485,7 @@ class FP8PrecisionBase(Precision):
         when ``fp8_eval=False``)."""
         if not self.fp8_models and not self._plain_models:
             return nullcontext()  # not set up yet
+        self._switch_kept_layers()  # one flag test, unless a layer is waiting to be switched
         self.announce()
         stack = ExitStack()
         stack.enter_context(torch.autocast(self._device().type, dtype=self.compute_dtype))
@@ -485,8 +561,10 @@ class FP8PrecisionBase(Precision):
         """Loss-scaler state, skipped-step count and every model's FP8 state: tensors and plain values only.
 
         A loss-scale update still pending from the last optimizer step is applied first (it would otherwise
-        happen at the next backward), so the saved scale is the one the next backward uses."""
+        happen at the next backward), so the saved scale is the one the next backward uses; so is a switch to high
+        precision waiting for the next forward, so that the saved FP8 state and ``high_precision_layers`` agree."""
         self.apply_loss_scale_update(self.loss_scaler.update())
+        self._switch_kept_layers()
         scaler = self.loss_scaler.state_dict()
         return {
             "version": PLUGIN_STATE_VERSION,
@@ -497,13 +575,16 @@ class FP8PrecisionBase(Precision):
             "world_size": world_size(),
             "model_classes": [type(model).__qualname__ for model in self.fp8_models],
             "models": [fp8_state_dict(model) for model in self.fp8_models],
+            "high_precision_layers": dict(self.high_precision_layers),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (or lightning-fp8 0.1's plugin state).
 
-        The FP8 states go to the set-up models in order; states of models not set up yet wait for them.
+        The layers the checkpoint keeps in high precision (``high_precision_layers``; absent from checkpoints written
+        before the plugin kept them) are switched first, and kept for the models set up later. The FP8 states go to
+        the set-up models in order; states of models not set up yet wait for them.
 
         Raises:
             ValueError: if the checkpoint was written with another recipe or FP8 settings.
@@ -554,6 +635,15 @@ class FP8PrecisionBase(Precision):
         # rank saved and one rank loads. Otherwise each rank restarts its counters from zero instead of counting
         # the saving rank twice, or losing the others (FP8Stats takes a new baseline from them).
         self._restore_counters = state_dict.get("world_size", 1) == 1 and world_size() == 1
+        kept = state_dict.get("high_precision_layers") or {}
+        if kept:
+            self.high_precision_layers.update(kept)
+            self._switch_pending = True
+            for name in self._switch_kept_layers():
+                rank_zero_info(
+                    f"lightning_fp8: layer {name!r} runs in high precision, as in the run the checkpoint comes from "
+                    f"({self.high_precision_layers[name]})"
+                )
         for model in self.fp8_models[: len(models)]:
             self._load_model_state(model, models.pop(0))
         self._pending_states = models
@@ -569,7 +659,9 @@ class FP8PrecisionBase(Precision):
 
     @override
     def teardown(self) -> None:
-        """Nothing device-side to free."""
+        """Nothing device-side to free; a switch to high precision still waiting for the next forward is done now (a
+        layer switched at the last training step is in high precision when ``fit`` returns)."""
+        self._switch_kept_layers()
 
 
 class FP8Precision(FP8PrecisionBase, HalfPrecision):

@@ -3,24 +3,36 @@
 Opt-in: ``Trainer(plugins=[FP8Precision(recipe="delayed")], callbacks=[FP8FallbackCallback()])``.
 
 Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) the callback takes one
-reading through its own :class:`~lightning_fp8.FP8Stats` (one device snapshot, one cross-rank reduction, one
-host copy); on every other step it does nothing (no transfer, no sync). A layer is *bad* in a reading when the
-overflow fraction of any of its tensors (input, weight, grad_output) in the interval is above
-``overflow_threshold``, or (with ``nonfinite``) when one of its most recent amaxes is NaN or Inf. A layer bad in
-``patience`` consecutive readings is turned back into its high-precision type with
-:func:`~lightning_fp8.convert_from_fp8` (same Parameters, so the optimizer and DDP are unaffected); from then on
-it computes exactly like ``nn.Linear`` under the plugin's ``torch.autocast``. Its row stays in the model's state
-table, unused; it is no longer read, rolled into statistics or exported in checkpoints (``fp8_state_dict`` lists
-FP8 layers only), and the plugin's conversion report lists it as skipped, with the reason.
+reading through its own :class:`~lightning_fp8.FP8Stats` (one device snapshot, one cross-rank reduction, one host
+copy; its own interval baseline, taken at the start of training); on every other step it does nothing (no transfer,
+no sync). A layer is *bad* in a reading when the overflow fraction of any of its tensors (input, weight,
+grad_output) in the interval is above ``overflow_threshold``, or (with ``nonfinite``) when one of its most recent
+amaxes is NaN or Inf. A layer bad in ``patience`` consecutive readings is switched by the plugin
+(:meth:`~lightning_fp8.fabric.FP8PrecisionBase.keep_in_high_precision`): before the next forward it turns back into
+its high-precision type (same Parameters, so the optimizer and DDP are unaffected), and from then on it computes
+exactly like ``nn.Linear`` under the plugin's ``torch.autocast``. Its row stays in the model's state table, unused;
+it is no longer read, rolled into statistics or exported in checkpoints (``fp8_state_dict`` lists FP8 layers only),
+and the plugin's conversion report lists it as skipped, with the reason.
 
-Every switch is a loud warning (layer, reason, observed value, global step). The names of the switched layers are
-in the callback's ``state_dict``: a run resumed from a checkpoint switches the same layers back at
-``on_fit_start``, after the model is converted and before the plugin's FP8 state is restored (that state no longer
-holds those layers), so before the first step. At the end of fit the list is printed with the ``exclude`` list to
-use next time: ``FP8Precision(exclude=[...])``.
+**Where the switched layers live.** The plugin remembers them, next to its ``exclude``: every later conversion of the
+model (``trainer.validate``, ``test`` and ``predict`` convert it again) keeps them in high precision, and the
+plugin's checkpoint state carries them, so a run resumed from a checkpoint, or an evaluation from one (with or
+without this callback), switches them again before the first batch. The callback's own ``state_dict`` holds when
+and why each layer was switched (for the summary and the ``exclude`` advice) and its patience counters. A checkpoint
+written before the plugin kept the names (only the callback's state lists them) is read through the callback, at
+``on_load_checkpoint``.
+
+**Why before the next forward.** ``FP8StatsCallback`` reads at the end of the same steps; switched at once, a layer
+would vanish from the statistics of the interval that made it switch whenever the fallback ran first. Switched before
+the next forward (or at a checkpoint save, or at the end of fit, if those come first), the layer is read by every
+callback at the end of that step, whatever the callbacks' order.
+
+Every switch is a loud warning (layer, reason, observed value, global step). At the end of fit the list is printed
+with the ``exclude`` list to use next time: ``FP8Precision(exclude=[...])``.
 
 Under DDP the readings are reduced across ranks inside :class:`~lightning_fp8.FP8Stats`: every rank reads on the
-same steps (the readings are collectives), sees the same values and switches the same layers.
+same steps (the readings are collectives), sees the same values and switches the same layers at the same step, even
+when only one rank's data overflows.
 
 Why a callback of our own: neither torchao nor Transformer Engine watches FP8 health during training; their only
 remedy is a static list of layers kept in high precision, which is what this callback writes out at the end.
@@ -36,7 +48,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_fp8.callbacks import FP8StatsCallback, stats_source
+from lightning_fp8.callbacks import stats_source
 from lightning_fp8.convert import convert_from_fp8
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.module import FP8Module
@@ -59,7 +71,7 @@ class FP8FallbackCallback(Callback):
 
     Attributes:
         fallen_back: ``{layer name: {"step", "reason", "value"}}`` of the switched layers, in order (restored from
-            checkpoints).
+            checkpoints). The plugin's ``high_precision_layers`` is what keeps them in high precision.
 
     Raises:
         ValueError: for invalid settings, naming the field.
@@ -94,6 +106,7 @@ class FP8FallbackCallback(Callback):
         self._bad: dict[str, int] = {}  # consecutive bad readings per layer
         self._last_read_step = -1
         self._missing_warned: set[str] = set()
+        self._restored: list[str] = []  # layers of a loaded state, reported at the start of training
 
     @property
     def fetches(self) -> int:
@@ -119,84 +132,66 @@ class FP8FallbackCallback(Callback):
                 modules.setdefault(prefix + (name or type(module).__name__), module)
         return modules
 
-    def _switch(self, trainer: pl.Trainer, name: str, module: nn.Module, reason: str) -> None:
-        """Turn one FP8 layer back into its high-precision type and note it in the plugin's conversion report."""
-        convert_from_fp8(module)
+    def _switch(self, trainer: pl.Trainer, module: nn.Module, reason: str, now: bool = False) -> None:
+        """Ask the plugin to switch one FP8 layer to high precision and keep it there (before the next forward, or
+        ``now``). Without an FP8 plugin (a model converted by hand) the layer is turned back at once."""
         plugin = trainer.precision_plugin
         if isinstance(plugin, FP8PrecisionBase):
-            for model, report in zip(plugin.fp8_models, plugin.reports):
+            for model in plugin.fp8_models:
                 local = next((n for n, m in model.named_modules() if m is module), None)
-                if local is None:
-                    continue
-                for names in (report.converted, report.already_fp8):
-                    if local in names:
-                        names.remove(local)
-                report.skipped[local] = f"{SWITCHED_BY_FALLBACK}: {reason}"
+                if local is not None:
+                    reason = f"{SWITCHED_BY_FALLBACK}: {reason}"
+                    plugin.keep_in_high_precision(local, reason, before_next_forward=not now)
+                    return
+        convert_from_fp8(module)
 
     # ------------------------------------------------------------------ hooks
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The model is converted by now and the callback state restored: switch the layers of a resumed run back
-        before the plugin restores its FP8 state (which holds no state for them)."""
-        self._stats.source = stats_source(trainer, pl_module)
-        self._restore_fallbacks(trainer)
-        self._check_order(trainer)
-
-    def _check_order(self, trainer: pl.Trainer) -> None:
-        """Both callbacks read at the end of the same steps; run after this one, ``FP8StatsCallback`` would read a
-        layer switched on that step no more, and the interval that caused the switch would be missing from its
-        metrics, alerts and summary."""
-        position = next(i for i, c in enumerate(trainer.callbacks) if c is self)
-        later = [c for c in trainer.callbacks[position + 1 :] if isinstance(c, FP8StatsCallback)]
-        if later:
-            rank_zero_warn(
-                "FP8FallbackCallback is listed before FP8StatsCallback: the statistics of the interval that makes a "
-                "layer switch would be lost. List FP8StatsCallback first: callbacks=[FP8StatsCallback(...), "
-                "FP8FallbackCallback(...)]."
-            )
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint written before the plugin kept the switched layers lists them in this callback's state only:
+        hand them to the plugin now, before the model is converted and the plugin's FP8 state restored (which holds no
+        state for them), so that fit, validate, test and predict from it keep them in high precision."""
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, FP8PrecisionBase):
+            return
+        plugin_state = checkpoint.get(type(plugin).__qualname__)
+        if not isinstance(plugin_state, dict) or "high_precision_layers" in plugin_state:
+            return
+        own = (checkpoint.get("callbacks") or {}).get(self.state_key) or {}
+        for name, info in own.get("fallen_back", {}).items():
+            plugin.keep_in_high_precision(name, f"{SWITCHED_BY_FALLBACK}: {info['reason']}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The plugin has restored its state by now: report the layers of a loaded state, then take the baseline."""
         self._stats.source = stats_source(trainer, pl_module)
-        self._restore_fallbacks(trainer)  # nothing left to do after on_fit_start, unless the strategy restores late
+        self._report_restored(trainer)
         if not self._stats.has_baseline:
             self._stats.take_baseline()  # before the first step: one host copy
 
-    def _switch_again(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``trainer.validate`` / ``test`` / ``predict`` (after a fit, or from a checkpoint) run the plugin's
-        ``convert_module`` again, which turns the switched layers back into FP8 with fresh state: switch them again
-        before the first batch, so that the model is evaluated with the numerics it was trained with."""
-        self._stats.source = stats_source(trainer, pl_module)
-        self._restore_fallbacks(trainer)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch_again(trainer, pl_module)
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch_again(trainer, pl_module)
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch_again(trainer, pl_module)
-
-    def _restore_fallbacks(self, trainer: pl.Trainer) -> None:
-        if not self.fallen_back:
+    def _report_restored(self, trainer: pl.Trainer) -> None:
+        restored, self._restored = self._restored, []
+        if not restored:
             return
         modules = self._modules()
-        for name, info in self.fallen_back.items():
-            module = modules.get(name)
-            if module is None:
-                if name in self._missing_warned:
-                    continue
-                self._missing_warned.add(name)
+        for name in restored:
+            if name not in modules:
+                self._missing_warned.add(name)  # left out of the exclude advice
                 rank_zero_warn(
                     f"FP8FallbackCallback: the checkpoint lists layer {name!r} as switched to high precision, but the "
                     "model has no such module; nothing to switch."
                 )
-            elif isinstance(module, FP8Module):
-                self._switch(trainer, name, module, info["reason"])
-                rank_zero_warn(
-                    f"FP8FallbackCallback: layer {name!r} runs in high precision for this run, as in the run this "
-                    f"checkpoint comes from (switched at global step {info['step']}: {info['reason']}). Next time use "
-                    f"FP8Precision(exclude={self.exclude!r})."
-                )
+        for name in restored:
+            info, module = self.fallen_back[name], modules.get(name)
+            if module is None:
+                continue
+            if isinstance(module, FP8Module):  # a state loaded without the plugin's (by hand, or no FP8Precision)
+                self._switch(trainer, module, info["reason"], now=True)
+            rank_zero_warn(
+                f"FP8FallbackCallback: layer {name!r} runs in high precision for this run, as in the run this "
+                f"checkpoint comes from (switched at global step {info['step']}: {info['reason']}). Next time use "
+                f"FP8Precision(exclude={self.exclude!r})."
+            )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -209,7 +204,8 @@ class FP8FallbackCallback(Callback):
         self.check_now(trainer, pl_module)
 
     def check_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:
-        """Take one reading (on every rank) and switch the layers bad for ``patience`` readings; returns their names."""
+        """Take one reading (on every rank) and have the plugin switch the layers bad for ``patience`` readings (before
+        the next forward); returns their names."""
         self._stats.source = stats_source(trainer, pl_module)
         reading = self._stats.read()
         if reading is None:
@@ -234,7 +230,7 @@ class FP8FallbackCallback(Callback):
             reason = f"{reason} in {self._bad[name]} consecutive readings (every {self._every(trainer)} steps)"
             self.fallen_back[name] = {"step": trainer.global_step, "reason": reason, "value": value}
             self._bad.pop(name, None)
-            self._switch(trainer, name, module, reason)
+            self._switch(trainer, module, reason)
             switched.append(name)
             rank_zero_warn(
                 f"FP8FallbackCallback: layer {name!r} switched to high precision for the rest of the run at global step "
@@ -281,5 +277,6 @@ class FP8FallbackCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.fallen_back = {name: dict(info) for name, info in state_dict["fallen_back"].items()}
+        self._restored = list(self.fallen_back)
         self._bad = dict(state_dict.get("bad", {}))
         self._last_read_step = state_dict.get("last_read_step", -1)

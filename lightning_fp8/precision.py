@@ -10,7 +10,7 @@ precision plugins no hook between the checkpoint restore and the first batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,12 +19,11 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fp8.calibration import _loss_tensor, calibrate_with, muted_logging, preserved_loader_generators
+from lightning_fp8.calibration import _loss_tensor, calibrate_with, first_training_batches, muted_logging
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.state import state_tables
 
@@ -108,7 +107,10 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
         """Calibrate the ``delayed`` amax histories on the first ``calibration_batches`` batches of the training
         dataloader (called at ``on_train_start``). Returns the number of batches used (0 when skipped).
 
-        Each batch is moved to the device as for training (``batch_to_device``: the module's transfer hooks) and runs
+        The batches come from a pass over the training dataloader that leaves the random state and the loaders'
+        generators as they were (``lightning_fp8.calibration.first_training_batches``; with a shuffling sampler
+        that pass draws its own order). Each batch is moved to the device as for training (``batch_to_device``: the
+        module's transfer hooks) and runs
         ``training_step(batch, batch_idx)`` inside :meth:`~lightning_fp8.fabric.FP8PrecisionBase.forward_context` with ``self.log`` muted; the returned loss
         (divided by ``accumulate_grad_batches``, as Lightning divides it for training) is backpropagated through ``torch.autograd.grad`` (no ``.grad``, no optimizer step, no DDP gradient
         reduction). Every DDP rank calibrates on its own batches; the amaxes are MAX-reduced as in training.
@@ -124,14 +126,8 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
                 "checkpoint, or trained by an earlier fit)"
             )
             return 0
-        loader = trainer.train_dataloader
-        if loader is None:
+        if trainer.train_dataloader is None:
             return 0
-        strategy = trainer.strategy
-
-        def batches() -> Iterator[Any]:
-            for batch, _, dataloader_idx in CombinedLoader(loader, "max_size_cycle"):
-                yield strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
 
         def step(m: nn.Module, batch: Any, index: int) -> Any:
             with muted_logging(m):
@@ -142,9 +138,9 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
             # recorded in that domain, as training records them.
             return _loss_tensor(output) / trainer.accumulate_grad_batches
 
-        with preserved_loader_generators(loader):
+        with first_training_batches(trainer, self.calibration_batches) as batches:
             used = calibrate_with(
-                module, batches(), step, backward=True, num_batches=self.calibration_batches, precision=self
+                module, batches, step, backward=True, num_batches=self.calibration_batches, precision=self
             )
         rank_zero_info(f"lightning_fp8: calibrated the delayed amax histories on {used} training batch(es) per rank")
         return used

@@ -82,8 +82,8 @@ from torch import Tensor, nn
 from torchmetrics.functional.audio import signal_noise_ratio
 from typing_extensions import override
 
-from lightning_fp8.calibration import muted_logging, preserved_loader_generators
-from lightning_fp8.convert import _device_of, _skip_reason, convert_from_fp8, convert_to_fp8
+from lightning_fp8.calibration import first_training_batches, muted_logging
+from lightning_fp8.convert import _device_of, _skip_reason, convert_from_fp8, convert_to_fp8, exact_pattern
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
 from lightning_fp8.region import fp8_autocast
 from lightning_fp8.state import COUNT_FIELDS, roll_amax_history
@@ -279,7 +279,7 @@ class SensitivityReport:
             chosen = [e for e in self.layers if not e.score_db >= threshold]  # NaN scores: measured nothing, keep out
         prefix = self.prefix if prefix is None else prefix
         prefix = prefix.rstrip(".") + "." if prefix else ""
-        return [_escape_glob(prefix + entry.name) for entry in chosen]
+        return [exact_pattern(prefix + entry.name) for entry in chosen]
 
     def exclude_yaml(self, threshold_db: float | None = None, top: int | None = None, prefix: str | None = None) -> str:
         """:meth:`exclude` as a yaml snippet to paste under ``FP8Precision``'s ``init_args`` (with a comment saying
@@ -376,11 +376,6 @@ class SensitivityReport:
         self.plot(paths["plot"], threshold_db, show_threshold=top is None)
         paths["exclude"].write_text(self.exclude_yaml(threshold_db, top, prefix))
         return paths
-
-
-def _escape_glob(name: str) -> str:
-    """``name`` as an ``fnmatch`` pattern that matches exactly it."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def _db(value: float | None) -> str:
@@ -704,9 +699,9 @@ class FP8SensitivityCallback(Callback):
 
     At ``on_train_start`` (the model is on its device, converted by ``FP8Precision`` if the plugin is active: the
     report measures a copy turned back into ``nn.Linear``, so the layers the plugin excluded are measured too), rank
-    0 takes the first ``num_batches`` batches of ``trainer.train_dataloader`` (the random state is restored, so the
-    training's data order and dropout masks do not change), moves them to the device through the LightningModule's
-    batch-transfer hooks and measures the LightningModule: by default through its ``training_step`` (its ``self.log``
+    0 takes the first ``num_batches`` batches of a pass over ``trainer.train_dataloader`` (the random state is
+    restored, so the training's data order and dropout masks do not change; with a shuffling sampler the pass draws
+    its own order), moves them to the device through the LightningModule's batch-transfer hooks and measures the LightningModule: by default through its ``training_step`` (its ``self.log``
     calls are ignored), which gives the loss and so the backward GEMMs. It logs the table, writes ``sensitivity.md``,
     ``sensitivity.png`` and ``exclude.yaml`` to ``<trainer.log_dir>/<folder>`` and keeps the report in
     ``report`` (``None`` on other ranks). The names are the LightningModule's, exactly what
@@ -783,11 +778,11 @@ class FP8SensitivityCallback(Callback):
             recipe = self.recipe or plugin.recipe
             compute_dtype = plugin.compute_dtype
             skip_unaligned = plugin.skip_unaligned  # the layers the plugin runs in FP8 are the ones measured
-        devices = [trainer.strategy.root_device] if trainer.strategy.root_device.type == "cuda" else []
-
-        # an extra iterator must not shift the training's random state, nor a loader's own generator (data order)
-        with torch.random.fork_rng(devices=devices), preserved_loader_generators(trainer.train_dataloader):
-            batches = [trainer.strategy.batch_to_device(b) for b in _first(_train_iterable(trainer), self.num_batches)]
+        if trainer.train_dataloader is None:
+            raise ValueError("FP8SensitivityCallback: the trainer has no training dataloader")
+        # an extra pass that shifts neither the training's random state nor a loader's own generator (data order)
+        with first_training_batches(trainer, self.num_batches) as first:
+            batches = list(first)
         input_fn, loss_fn = self.input_fn, self.loss_fn
         common: dict[str, Any] = {
             "compute_dtype": compute_dtype, "loss_delta": self.loss_delta, "skip_unaligned": skip_unaligned
@@ -806,26 +801,6 @@ class FP8SensitivityCallback(Callback):
         folder = os.path.join(log_dir or trainer.default_root_dir, self.folder)
         self.paths = self.report.save(folder, self.threshold_db, self.top)
         rank_zero_info(f"FP8 sensitivity report saved to {folder}")
-
-
-def _train_iterable(trainer: pl.Trainer) -> Iterable[Any]:
-    loaders = trainer.train_dataloader
-    if loaders is None:
-        raise ValueError("FP8SensitivityCallback: the trainer has no training dataloader")
-    if isinstance(loaders, (Mapping, list, tuple)):
-        from lightning.pytorch.utilities import CombinedLoader
-
-        return (batch for batch, _, _ in CombinedLoader(loaders, "max_size_cycle"))
-    return loaders
-
-
-def _first(iterable: Iterable[Any], n: int) -> list[Any]:
-    out = []
-    for item in iterable:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out
 
 
 def _training_step(trainer: pl.Trainer) -> Callable[[nn.Module, Any], Any]:

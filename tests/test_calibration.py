@@ -351,6 +351,65 @@ def test_calibration_does_not_change_the_data_order_of_a_loader_with_its_own_gen
         assert torch.equal(plain, calibrated)
 
 
+class TwoLoaders(L.LightningModule):
+    """Trains on a dict of two loaders' batches; records the input amax of every forward of ``a``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.input_amax = []
+        self.a.register_forward_hook(lambda m, args, out: self.input_amax.append(args[0].abs().amax().float()))
+
+    def training_step(self, batch, batch_idx):
+        x = batch["x"] + batch["y"]
+        return F.mse_loss(self.b(F.gelu(self.a(x))), x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_calibration_and_the_sensitivity_callback_read_the_first_batches_and_change_no_data_order(shuffle):
+    """Both take the first N batches of a pass over the training loaders (a dict of two loaders, combined as for
+    training; one with its own generator) on the device, and leave the training's data order as it was. In a fixed
+    order those are the training's first batches; a shuffling sampler draws another order for that pass (Lightning
+    has drawn the training's before on_train_start), the same for both."""
+
+    def run(extra):
+        seen = []
+
+        class Record(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.append({k: v.clone() for k, v in batch.items()})
+
+        torch.manual_seed(0)
+        loaders = {
+            "x": torch.utils.data.DataLoader(torch.randn(64, 32), batch_size=8, shuffle=shuffle),
+            "y": torch.utils.data.DataLoader(
+                torch.randn(64, 32) * (1 + torch.arange(64)[:, None]), batch_size=8, shuffle=shuffle,
+                generator=torch.Generator().manual_seed(1),
+            ),
+        }  # fmt: skip
+        model = TwoLoaders()
+        plugin = lf.FP8Precision(recipe="delayed", calibration_batches=2 if extra else 0)
+        sensitivity = lf.FP8SensitivityCallback(num_batches=3)
+        make_trainer(plugin, max_steps=3, callbacks=[Record(), *([sensitivity] if extra else [])]).fit(model, loaders)
+        return seen, model, sensitivity
+
+    plain, _, _ = run(extra=False)
+    seen, model, sensitivity = run(extra=True)
+    for before, after in zip(plain, seen, strict=True):
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    # the forwards of `a`: the report on three batches (it runs a copy of the model, whose hook records into the same
+    # list), calibration on two, then the three training steps
+    assert sensitivity.report.num_batches == 3 and len(model.input_amax) == 3 + 2 + 3
+    amax = [float(a) for a in model.input_amax]
+    report, calibration, training = amax[:3], amax[3:5], amax[5:]
+    assert training == [float((batch["x"] + batch["y"]).abs().amax()) for batch in seen]
+    assert calibration == report[:2]  # the same first batches: the report's pass left the random state as it was
+    assert (report == training) != shuffle
+
+
 @pytest.mark.slow
 def test_ddp_ranks_calibrate_on_their_own_batches_and_reduce_the_amaxes(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_calibration.py")

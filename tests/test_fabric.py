@@ -107,6 +107,40 @@ def test_fabric_checkpoint_roundtrip(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_layers_kept_in_high_precision_are_switched_saved_and_restored(tmp_path):
+    fabric, model, optimizer = setup("delayed")
+    batches = list(loader(n=4_000))
+    train_steps(fabric, model, optimizer, batches[:3])
+    plugin = fabric.strategy.precision
+    plugin.keep_in_high_precision("blocks.0.fc", "measured as sensitive")
+    assert type(model.module.blocks[0].fc) is torch.nn.Linear  # now
+    assert plugin.report.skipped["blocks.0.fc"] == "measured as sensitive"
+    plugin.keep_in_high_precision("blocks.1.fc", "later", before_next_forward=True)
+    assert isinstance(model.module.blocks[1].fc, lf.FP8Linear)
+    train_steps(fabric, model, optimizer, batches[3:4])  # switched at the start of the forward
+    assert type(model.module.blocks[1].fc) is torch.nn.Linear and "blocks.1.fc" not in plugin.report.fp8_layers
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer, "fp8": plugin})
+    kept = {"blocks.0.fc": "measured as sensitive", "blocks.1.fc": "later"}
+    assert not set(kept) & set(per_layer(lf.fp8_state_dict(model.module)))
+
+    # a fresh plugin converts every layer, then learns the kept layers from the checkpoint and switches them
+    fabric2, model2, optimizer2 = setup("delayed")
+    plugin2 = fabric2.strategy.precision
+    assert isinstance(model2.module.blocks[0].fc, lf.FP8Linear)
+    fabric2.load(tmp_path / "state.ckpt", {"model": model2, "optimizer": optimizer2, "fp8": plugin2})
+    assert plugin2.high_precision_layers == kept
+    assert type(model2.module.blocks[0].fc) is torch.nn.Linear and type(model2.module.blocks[1].fc) is torch.nn.Linear
+    assert plugin2.report.skipped == kept
+    train_steps(fabric, model, optimizer, batches[4:7])
+    train_steps(fabric2, model2, optimizer2, batches[4:7])
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+    # a model set up later with the plugin keeps them too, as exclude would
+    later = fabric2.setup_module(TinyDecoder())
+    assert type(later.module.blocks[0].fc) is torch.nn.Linear and plugin2.reports[-1].skipped == kept
+
+
 @pytest.mark.parametrize(("loss_scaling", "scale_after"), [("dynamic", 2.0**15), ("auto", 1.0)])
 def test_fabric_non_finite_loss_skips_step(loss_scaling, scale_after):
     fabric, model, optimizer = setup(loss_scaling=loss_scaling)

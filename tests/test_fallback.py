@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from utils import SyncCounter, make_trainer
 
 from lightning_fp8 import FP8FallbackCallback, FP8Linear, FP8Precision
+from lightning_fp8.stats import SWITCHED_BY_FALLBACK
 
 
 class Planted(L.LightningModule):
@@ -47,11 +52,20 @@ def loader():
 
 
 class Probe(L.Callback):
-    """Records, per global step, whether `mid` is still FP8 (at batch start and after the other callbacks)."""
+    """Records, per global step, whether `mid` is FP8 at batch start, in the forward (global step during the batch)
+    and after the other callbacks at the end of the batch (global step after the optimizer step)."""
 
     def __init__(self) -> None:
         self.at_start: dict[int, bool] = {}
+        self.in_forward: dict[int, bool] = {}
         self.at_end: dict[int, bool] = {}
+
+    def on_fit_start(self, trainer, pl_module):
+        def record(module, args, output):
+            if module.training:
+                self.in_forward[trainer.global_step] = isinstance(module, FP8Linear)
+
+        pl_module.mid.register_forward_hook(record)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.at_start[trainer.global_step] = isinstance(pl_module.mid, FP8Linear)
@@ -60,9 +74,9 @@ class Probe(L.Callback):
         self.at_end[trainer.global_step] = isinstance(pl_module.mid, FP8Linear)
 
 
-def fit(tmp_path, callback, steps, ckpt_path=None, callbacks_extra=(), **kwargs):
+def fit(tmp_path, callback, steps, ckpt_path=None, callbacks_extra=(), model_class=None, **kwargs):
     torch.manual_seed(0)
-    model = Planted()
+    model = (model_class or Planted)()
     probe = Probe()
     trainer = make_trainer(
         FP8Precision(recipe="delayed"),
@@ -76,6 +90,45 @@ def fit(tmp_path, callback, steps, ckpt_path=None, callbacks_extra=(), **kwargs)
         trainer.fit(model, loader(), ckpt_path=ckpt_path)
     messages = [str(w.message) for w in caught if "FP8FallbackCallback" in str(w.message)]
     return trainer, model, probe, messages
+
+
+class PlantedEval(Planted):
+    """Records the type of ``mid`` and the loss of every evaluation batch (validate, test and predict)."""
+
+    def __init__(self, start: int = 4) -> None:
+        super().__init__(start)
+        self.seen_in_eval: list[type] = []
+        self.eval_losses: list[float] = []
+
+    def _evaluate(self, batch):
+        x, y = batch
+        self.seen_in_eval.append(type(self.mid))
+        loss = F.cross_entropy(self.out(torch.relu(self.mid(torch.relu(self.inp(x))))).float(), y)
+        self.eval_losses.append(float(loss))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self._evaluate(batch)
+
+    def test_step(self, batch, batch_idx):
+        return self._evaluate(batch)
+
+    def predict_step(self, batch, batch_idx):
+        return self._evaluate(batch)
+
+
+def quietly(run, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run(*args, **kwargs)
+
+
+def evaluate(trainer, stage, model, ckpt_path=None):
+    """Run ``stage`` ("validate", "test" or "predict"); the types ``mid`` had and the losses of its batches."""
+    model.seen_in_eval, model.eval_losses = [], []
+    quietly(getattr(trainer, stage), model, loader(), ckpt_path=ckpt_path)
+    assert model.seen_in_eval
+    return set(model.seen_in_eval), model.eval_losses
 
 
 def test_planted_outlier_layer_falls_back_after_patience(tmp_path):
@@ -95,7 +148,9 @@ def test_planted_outlier_layer_falls_back_after_patience(tmp_path):
     # readings at steps 2, 4 (clean), 6 and 8 (overflowing: steps 5.. run with the growing input): switched at 8
     assert [s for s, f, _ in syncs if f] == [2, 4, 6, 8, 10, 12]
     assert all(n == 0 for s, f, n in syncs if not f), syncs  # no host sync on the other steps
-    assert probe.at_end == {s: s < 8 for s in range(1, 13)}
+    # switched before the next forward: still FP8 for every callback at the end of step 8, not in step 9's forward
+    assert probe.at_end == {s: s <= 8 for s in range(1, 13)}
+    assert probe.in_forward == {s: s < 8 for s in range(12)}
     assert list(callback.fallen_back) == ["mid"] and callback.fallen_back["mid"]["step"] == 8
     assert callback.fallen_back["mid"]["value"] > 0.05 and "input overflow fraction" in callback.fallen_back["mid"]["reason"]
     assert type(model.mid) is nn.Linear and not hasattr(model.mid, "fp8_state")
@@ -124,6 +179,9 @@ def test_fallback_is_in_the_checkpoint_and_resumes(tmp_path):
     state = torch.load(path, weights_only=True)
     saved = next(v for k, v in state["callbacks"].items() if "FP8FallbackCallback" in k)
     assert list(saved["fallen_back"]) == ["mid"] and saved["fallen_back"]["mid"]["step"] == 8
+    # the plugin's state is where the layers kept in high precision are (the callback's holds when and why)
+    kept = state["FP8Precision"]["high_precision_layers"]
+    assert list(kept) == ["mid"] and kept["mid"].startswith(SWITCHED_BY_FALLBACK)
 
     resumed = FP8FallbackCallback(every_n_steps=2, patience=2)
     trainer, model, probe, messages = fit(tmp_path, resumed, steps=14, ckpt_path=path)
@@ -132,17 +190,54 @@ def test_fallback_is_in_the_checkpoint_and_resumes(tmp_path):
     assert list(resumed.fallen_back) == ["mid"] and resumed.fallen_back["mid"]["step"] == 8
     assert any("as in the run this checkpoint comes from" in m and "'mid'" in m for m in messages), messages
     assert all(math.isfinite(loss.item()) for loss in model.losses)
+    # the end-of-fit advice is the same as in the run that switched the layer
+    summaries = [m for m in messages if m.startswith("FP8FallbackCallback: 1 layer")]
+    assert len(summaries) == 1 and "mid: at global step 8" in summaries[0]
+    assert "FP8Precision(exclude=['mid'])" in summaries[0] and resumed.exclude == ["mid"]
 
-    # without the callback: the plugin refuses the checkpoint and says how to resume; the printed exclude list works
+    # without the callback the plugin keeps the layer in high precision too: its state carries the switched layers
     torch.manual_seed(0)
-    plain = make_trainer(FP8Precision(recipe="delayed"), max_steps=10, default_root_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"missing \['mid'\].*resume with the same `exclude`, or with FP8FallbackCallback"):
-        plain.fit(Planted(), loader(), ckpt_path=path)
+    model = Planted()
+    plain = make_trainer(FP8Precision(recipe="delayed"), callbacks=[probe := Probe()], max_steps=12,
+                         default_root_dir=tmp_path)  # fmt: skip
+    quietly(plain.fit, model, loader(), ckpt_path=path)
+    assert plain.global_step == 12 and not any(probe.at_start.values()) and type(model.mid) is nn.Linear
+    assert plain.precision_plugin.high_precision_layers == kept
+    plain.save_checkpoint(tmp_path / "again.ckpt")  # and the next checkpoint carries them on
+    assert torch.load(tmp_path / "again.ckpt", weights_only=True)["FP8Precision"]["high_precision_layers"] == kept
+    # the printed exclude list works as well
     torch.manual_seed(0)
     model = Planted()
     excluded = make_trainer(FP8Precision(recipe="delayed", exclude=["mid"]), max_steps=10, default_root_dir=tmp_path)
     excluded.fit(model, loader(), ckpt_path=path)
     assert type(model.mid) is nn.Linear and excluded.global_step == 10
+
+
+def test_a_checkpoint_from_before_the_plugin_kept_the_switched_layers_still_loads(tmp_path):
+    """Checkpoints written when only the callback's state named the switched layers (no ``high_precision_layers`` in
+    the plugin's state): with the callback, a resumed fit and an evaluation keep the layer in high precision; without
+    it the plugin refuses the checkpoint and says how to resume, as it did."""
+    trainer, _, _, _ = fit(tmp_path, FP8FallbackCallback(every_n_steps=2, patience=2), steps=9, model_class=PlantedEval)
+    path = tmp_path / "old.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=True)
+    del state["FP8Precision"]["high_precision_layers"]
+    torch.save(state, path)
+
+    resumed = FP8FallbackCallback(every_n_steps=2, patience=2)
+    trainer, model, probe, messages = fit(tmp_path, resumed, steps=12, ckpt_path=path, model_class=PlantedEval)
+    assert min(probe.at_start) == 9 and not any(probe.at_start.values()) and type(model.mid) is nn.Linear
+    assert any("as in the run this checkpoint comes from" in m for m in messages), messages
+    assert trainer.precision_plugin.high_precision_layers["mid"].startswith(SWITCHED_BY_FALLBACK)
+
+    fresh_model = PlantedEval()
+    fresh = make_trainer(FP8Precision(recipe="delayed"), callbacks=[FP8FallbackCallback()], default_root_dir=tmp_path)
+    assert evaluate(fresh, "validate", fresh_model, ckpt_path=path)[0] == {nn.Linear}
+
+    torch.manual_seed(0)
+    plain = make_trainer(FP8Precision(recipe="delayed"), max_steps=10, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"missing \['mid'\].*resume with the same `exclude`, or with FP8FallbackCallback"):
+        plain.fit(PlantedEval(), loader(), ckpt_path=path)
 
 
 @pytest.mark.parametrize(
@@ -187,8 +282,9 @@ def test_nonfinite_amax_falls_back(tmp_path):
     trainer = make_trainer(FP8Precision(recipe="tensorwise"), callbacks=[callback, probe], max_steps=8, default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match=r"layer 'mid' switched to high precision .* at global step 5: non-finite input amax"):
         trainer.fit(model, loader())
-    # the forward of steps 4 and 5 (global_step 3 and 4 during the batch) sees the NaN: readings 4 and 5 are bad
-    assert probe.at_end == {s: s < 5 for s in range(1, 9)}
+    # the forward of steps 4 and 5 (global_step 3 and 4 during the batch) sees the NaN: readings 4 and 5 are bad; the
+    # switch takes effect before the next forward
+    assert probe.at_end == {s: s <= 5 for s in range(1, 9)} and probe.in_forward == {s: s < 5 for s in range(8)}
     assert list(callback.fallen_back) == ["mid"] and math.isnan(callback.fallen_back["mid"]["value"])
     assert isinstance(model.inp, FP8Linear) and isinstance(model.out, FP8Linear)
     assert all(math.isfinite(loss.item()) for loss in model.losses)
@@ -231,30 +327,36 @@ def test_with_the_stats_callback_a_fallen_back_layer_leaves_a_gap_in_the_heatmap
     assert fresh.state_dict()["heatmap_layers"] == state["heatmap_layers"]
 
 
-class PlantedEval(Planted):
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.seen_in_eval = type(self.mid)
-        return F.cross_entropy(self.out(torch.relu(self.mid(torch.relu(self.inp(x))))).float(), y)
-
-
-def test_validate_after_fit_keeps_switched_layers_in_high_precision(tmp_path):
-    """trainer.validate / test / predict after fit run the plugin's convert_module again: a switched layer must not
-    silently come back in FP8 (with fresh state) for the evaluation."""
-    callback = FP8FallbackCallback(every_n_steps=2, patience=2)
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_a_switched_layer_stays_in_high_precision_in_every_stage(tmp_path, stage):
+    """The plugin converts the model again for validate / test / predict: it must keep the switched layer in high
+    precision, after the fit with the same Trainer and from the checkpoint with a fresh one (with or without the
+    callback), and evaluate the same numbers each time."""
     torch.manual_seed(0)
     model = PlantedEval()
-    trainer = make_trainer(FP8Precision(recipe="delayed"), callbacks=[callback], max_steps=10, default_root_dir=tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, loader())
-    assert list(callback.fallen_back) == ["mid"] and type(model.mid) is nn.Linear
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.validate(model, loader())
-    assert model.seen_in_eval is nn.Linear
+    trainer = make_trainer(FP8Precision(recipe="delayed"), callbacks=[FP8FallbackCallback(every_n_steps=2, patience=2)],
+                           max_steps=10, default_root_dir=tmp_path)  # fmt: skip
+    quietly(trainer.fit, model, loader())
     assert type(model.mid) is nn.Linear
-    assert "mid" in trainer.precision_plugin.report.skipped and "mid" not in trainer.precision_plugin.report.fp8_layers
+    path = tmp_path / "fit.ckpt"
+    trainer.save_checkpoint(path)
+
+    seen, after_fit = evaluate(trainer, stage, model)
+    assert seen == {nn.Linear} and type(model.mid) is nn.Linear
+    assert isinstance(model.inp, FP8Linear) and isinstance(model.out, FP8Linear)
+    report = trainer.precision_plugin.report
+    assert report.skipped["mid"].startswith(SWITCHED_BY_FALLBACK) and "mid" not in report.fp8_layers
+    seen, from_checkpoint = evaluate(trainer, stage, model, ckpt_path=path)
+    assert seen == {nn.Linear} and from_checkpoint == after_fit
+
+    for callbacks in ([], [FP8FallbackCallback()]):
+        fresh_model = PlantedEval()
+        fresh = make_trainer(FP8Precision(recipe="delayed"), callbacks=callbacks, default_root_dir=tmp_path)
+        seen, losses = evaluate(fresh, stage, fresh_model, ckpt_path=path)
+        assert seen == {nn.Linear} and type(fresh_model.mid) is nn.Linear
+        assert isinstance(fresh_model.inp, FP8Linear) and isinstance(fresh_model.out, FP8Linear)
+        assert fresh.precision_plugin.report.skipped["mid"].startswith(SWITCHED_BY_FALLBACK)
+        assert losses == after_fit  # the same weights and FP8 state: the same numbers
 
 
 def test_stats_include_pattern_of_a_switched_layer_is_no_error_on_resume(tmp_path):
@@ -272,19 +374,55 @@ def test_stats_include_pattern_of_a_switched_layer_is_no_error_on_resume(tmp_pat
     assert type(model.mid) is nn.Linear and trainer.global_step == 12
 
 
-@pytest.mark.parametrize("stats_first", [True, False])
-def test_listed_before_the_stats_callback_it_warns(tmp_path, stats_first):
-    """Both read at the end of the same steps: the stats callback must read before a layer is switched."""
+class Capture(Logger):
+    """Keeps every ``log_metrics`` call in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+def test_the_order_of_the_stats_and_fallback_callbacks_does_not_matter(tmp_path):
+    """Both read at the end of the same steps. The switch takes effect before the next forward, so in either order
+    the stats callback reads the switching interval of the layer, and the two runs log the same statistics."""
     from lightning_fp8 import FP8StatsCallback
 
-    callbacks = [FP8StatsCallback(), FP8FallbackCallback()]
-    trainer = make_trainer(FP8Precision(recipe="delayed"), callbacks=callbacks if stats_first else callbacks[::-1],
-                           max_steps=1, default_root_dir=tmp_path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(Planted(), loader())
-    order = [str(w.message) for w in caught if "List FP8StatsCallback first" in str(w.message)]
-    assert len(order) == (0 if stats_first else 1)
+    runs = []
+    for stats_first in (True, False):
+        stats = FP8StatsCallback(log_every_n_steps=2, summary=False)
+        fallback = FP8FallbackCallback(every_n_steps=2, patience=2)
+        logger = Capture()
+        torch.manual_seed(0)
+        trainer = make_trainer(FP8Precision(recipe="delayed"), max_steps=12, logger=logger, default_root_dir=tmp_path,
+                               callbacks=[stats, fallback] if stats_first else [fallback, stats])  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Planted(), loader())
+        assert not [w for w in caught if "FP8StatsCallback" in str(w.message) and "before" in str(w.message)]
+        fp8 = [(step, {k: v for k, v in m.items() if k.startswith("fp8/")}) for step, m in logger.logged]
+        runs.append((fallback.fallen_back, [(step, m) for step, m in fp8 if m]))
+    (switched, logged), (switched_other_order, logged_other_order) = runs
+    assert list(switched) == ["mid"] and switched["mid"]["step"] == 8
+    assert switched_other_order == switched
+    assert logged_other_order == logged
+    # the last logging step that reads `mid` is the one that made it switch, with the overflow the fallback saw
+    with_mid = [m for _, m in logged if "fp8/mid/input/overflow_frac" in m]
+    assert len(with_mid) == 4 and len(logged) == 6
+    assert with_mid[-1]["fp8/mid/input/overflow_frac"] == switched["mid"]["value"]
 
 
 def test_a_switched_layer_the_model_no_longer_has_is_left_out_of_the_exclude_advice(tmp_path):
@@ -298,3 +436,24 @@ def test_a_switched_layer_the_model_no_longer_has_is_left_out_of_the_exclude_adv
         trainer.fit(Planted(), loader())
     assert any("'ghost'" in str(w.message) and "no such module" in str(w.message) for w in caught)
     assert callback.exclude == []  # FP8Precision(exclude=['ghost']) would fail at setup: no such layer
+
+
+@pytest.mark.slow
+def test_ddp_both_ranks_switch_the_same_layer_at_the_same_step_when_one_rank_overflows(tmp_path):
+    """2 gloo processes; `mid` overflows on rank 1's data only. The readings are reduced across the ranks, so both
+    switch it at the same step (no hang, no rank computing alone in FP8) and the weights stay identical."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_fallback.py")
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert list(ranks[0]["fallen_back"]) == ["mid"] and ranks[1]["fallen_back"] == ranks[0]["fallen_back"]
+    step = ranks[0]["fallen_back"]["mid"]["step"]
+    # in FP8 up to the switching step's forward, in high precision from the next one on, on both ranks
+    assert ranks[0]["in_forward"] == ranks[1]["in_forward"] == {s: s < step for s in range(10)}
+    assert 3 < step < 10
+    params = [rank["params"] for rank in ranks]
+    assert params[0].keys() == params[1].keys()
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])

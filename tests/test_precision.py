@@ -15,6 +15,7 @@ from torch import nn
 from utils import SyncCounter, make_trainer, per_layer
 
 import lightning_fp8 as lf
+from lightning_fp8.recipe import RECIPES
 from lightning_fp8 import FP8Linear, FP8Precision
 
 
@@ -166,6 +167,32 @@ def test_exclude_typo_raises_at_setup_and_names_the_layer():
     assert isinstance(model.blocks[1].fc, FP8Linear)
 
 
+def test_layers_kept_in_high_precision_by_name_are_honoured_like_exclude():
+    """keep_in_high_precision: an exact name (glob characters are not patterns), kept by every conversion of the
+    model with its reason; a name no layer has is no error (it may name a layer of a model set up later)."""
+    plugin = FP8Precision()
+    plugin.keep_in_high_precision("blocks.0.fc", "measured as sensitive")
+    plugin.keep_in_high_precision("blocks.*", "a name, not a pattern")
+    model = TinyDecoder()
+    trainer = make_trainer(plugin, max_steps=1)
+    trainer.fit(model, loader(n=2_000))
+    assert type(model.blocks[0].fc) is nn.Linear and isinstance(model.blocks[1].fc, FP8Linear)
+    assert isinstance(model.blocks[0].out, FP8Linear)
+    assert plugin.report.skipped == {"blocks.0.fc": "measured as sensitive"} and len(plugin.report.fp8_layers) == 8
+    trainer.validate(model, loader(n=2_000))  # converts the model again
+    assert type(model.blocks[0].fc) is nn.Linear and plugin.report.skipped == {"blocks.0.fc": "measured as sensitive"}
+    # switched now on a set-up model, and kept by the next conversion
+    plugin.keep_in_high_precision("lm_head", "now")
+    assert type(model.lm_head) is nn.Linear and plugin.report.skipped["lm_head"] == "now"
+    trainer.validate(model, loader(n=2_000))
+    assert type(model.lm_head) is nn.Linear and "lm_head" not in plugin.report.fp8_layers
+    assert plugin.state_dict()["high_precision_layers"] == {
+        "blocks.0.fc": "measured as sensitive", "blocks.*": "a name, not a pattern", "lm_head": "now"
+    }
+    with pytest.raises(ValueError, match="name must be"):
+        plugin.keep_in_high_precision("", "no name")
+
+
 class ConfigureModelDecoder(L.LightningModule):
     def __init__(self):
         super().__init__()
@@ -229,7 +256,7 @@ def bf16_losses():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_decoder_trains_and_tracks_bf16(recipe, bf16_losses):
     fp8 = epoch_losses(recipe)
     bf16 = bf16_losses
