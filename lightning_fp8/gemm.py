@@ -39,7 +39,7 @@ so :func:`check_scaled_mm_contract` checks on the CPU what the kernel would reje
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,25 @@ class ScaledMMContractError(AssertionError):
     """An FP8 GEMM was called with operands that CUDA's ``torch._scaled_mm`` would reject."""
 
 
+def _check_operands(a: Tensor, b: Tensor, fail: Callable[[str], None]) -> tuple[int, int, int]:
+    """The operand rules every scaled GEMM shares: 2-D FP8, ``a`` (M, K) row-major, ``b`` (K, N) column-major, K and N
+    multiples of 16. Returns ``(M, K, N)``."""
+    if a.dim() != 2 or b.dim() != 2:
+        fail("operands must be 2-D")
+    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
+        fail("operands must be float8_e4m3fn or float8_e5m2")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        fail("inner dimensions differ")
+    if a.stride(1) != 1 or (m > 1 and a.stride(0) != k):
+        fail("a must be row-major")
+    if b.stride(0) != 1 or (n > 1 and b.stride(1) != k):
+        fail("b must be column-major")
+    if k % 16 or n % 16:
+        fail("K and N must be multiples of 16")
+    return m, k, n
+
+
 def check_scaled_mm_contract(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> None:
     """Assert CUDA ``torch._scaled_mm``'s operand contract (metadata only: no data is read)."""
 
@@ -142,21 +161,9 @@ def check_scaled_mm_contract(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Ten
             f"scale_b {tuple(scale_b.shape)})"
         )
 
-    if a.dim() != 2 or b.dim() != 2:
-        fail("operands must be 2-D")
-    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
-        fail("operands must be float8_e4m3fn or float8_e5m2")
+    m, k, n = _check_operands(a, b, fail)
     if a.dtype == E5M2 and b.dtype == E5M2:
         fail("E5M2 x E5M2 is not supported")
-    (m, k), (k2, n) = a.shape, b.shape
-    if k != k2:
-        fail("inner dimensions differ")
-    if a.stride(1) != 1 or (m > 1 and a.stride(0) != k):
-        fail("a must be row-major")
-    if b.stride(0) != 1 or (n > 1 and b.stride(1) != k):
-        fail("b must be column-major")
-    if k % 16 or n % 16:
-        fail("K and N must be multiples of 16")
     if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
         fail("scales must be float32")
     tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dim() <= 1 and scale_b.dim() <= 1
@@ -315,19 +322,7 @@ def check_block_scaled_mm_contract(
 
     if (kind_a, kind_b) not in _NATIVE_BLOCK_PAIRS:
         fail(f"no kernel for this pair (supported: {sorted(_NATIVE_BLOCK_PAIRS)})")
-    if a.dim() != 2 or b.dim() != 2:
-        fail("operands must be 2-D")
-    (m, k), (k2, n) = a.shape, b.shape
-    if k != k2:
-        fail("inner dimensions differ")
-    if a.dtype not in _FP8_DTYPES or b.dtype not in _FP8_DTYPES:
-        fail("operands must be float8_e4m3fn or float8_e5m2")
-    if a.stride(1) != 1 or (m > 1 and a.stride(0) != k):
-        fail("a must be row-major")
-    if b.stride(0) != 1 or (n > 1 and b.stride(1) != k):
-        fail("b must be column-major")
-    if k % 16 or n % 16:
-        fail("K and N must be multiples of 16")
+    m, k, n = _check_operands(a, b, fail)
     if kind_a == "1x32":
         if a.dtype == E5M2 and b.dtype == E5M2:
             fail("E5M2 x E5M2 is not supported")
