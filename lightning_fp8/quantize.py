@@ -26,7 +26,10 @@ Statistics of one cast (:class:`CastStats`), all computed on the device:
 
 :func:`cast_with_statistics` is the one dispatch point between the torch reference (a handful of
 elementwise ops and reductions that ``torch.compile`` fuses into one or two kernels) and the fused
-Triton kernel of ``lightning_fp8.triton_cast`` (CUDA, eager), which gives the same bits and counts.
+Triton kernel of ``lightning_fp8.triton_cast`` (CUDA, eager), which gives the same bits and counts. On CUDA eager,
+:func:`quantize` also hands a whole ``"block"`` cast from ``x``'s own amaxes to ``triton_block_cast`` and a
+``"tensor"``, ``scale_source="history"`` cast to ``triton_history_cast``, which computes the amax in the same pass as
+the cast (one read of ``x`` once the history is ready, no host sync).
 This module knows nothing about modules or state.
 """
 
@@ -38,7 +41,13 @@ import torch
 from torch import Tensor
 
 from lightning_fp8.recipe import FP8_MAX, CastSpec, amax_to_scale
-from lightning_fp8.triton_cast import triton_block_cast, triton_cast_with_statistics, use_triton
+from lightning_fp8.triton_cast import (
+    history_cast_supported,
+    triton_block_cast,
+    triton_cast_with_statistics,
+    triton_history_cast,
+    use_triton,
+)
 
 
 #: Bins of the slice-amax histogram: ``[zero, 2**AMAX_BIN_LOW .. 2**(AMAX_BIN_HIGH + 1)), ..., non-finite]``.
@@ -210,6 +219,20 @@ def quantize(
     x = x.detach()
     if spec.granularity == "block" and scale is None and spec.scale_source == "current" and use_triton(x):
         return _quantize_blocks_fused(x, spec, statistics)
+    if (
+        spec.granularity == "tensor"
+        and scale is None
+        and spec.scale_source == "history"
+        and history_scale is not None
+        and history_ready is not None
+        and use_triton(x)
+        and history_cast_supported(x, history_scale, history_ready)
+    ):
+        # one pass over x once the history is ready (the amax comes with the cast): see triton_history_cast
+        data, scale, amax, counts = triton_history_cast(
+            x, history_scale, history_ready, spec.dtype, margin=spec.margin, power_of_2=spec.power_of_2
+        )
+        return Quantized(data, scale, CastStats(amax, scale, x.numel(), counts) if statistics else None)
     amax = current_amax(x, spec)
     # a scale from x's own amax (per tensor, row or block) cannot saturate a finite element: see cast_statistics
     overflow_free = scale is None and spec.scale_source == "current"

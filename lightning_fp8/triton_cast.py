@@ -10,6 +10,22 @@ data once::
     data      = saturate(x_scaled)            finite -> clamp to ±fp8_max, NaN/±Inf -> NaN
     counts    = [nonzero, overflow, underflow] int64, per-program partial sums + one torch.sum, no host sync
 
+History-scaled per-tensor casts (the ``delayed`` recipe): :func:`triton_history_cast`, behind
+:func:`lightning_fp8.quantize.quantize` for a ``"tensor"``, ``scale_source="history"`` cast spec, gets the amax from
+the cast's own pass instead of a separate ``x.abs().amax()`` pass. ``ready`` (is the history usable) is a device flag
+the host never reads, so the kernel runs twice, the second time gated on the flag in the kernel::
+
+    launch 1: data, counts = cast(x, history_scale)      and amax_p[program] = max |x| over the program's elements
+    amax      = torch.amax(amax_p)                       on the bits, NaN-propagating: NaN if x holds a NaN
+    scale     = where(ready, history_scale, amax_to_scale(amax, fp8_max, margin, power_of_2))   (torch, as the reference)
+    launch 2: if not ready (read in the kernel): data, counts = cast(x, scale), overwriting launch 1's
+
+With the history ready, launch 2 masks off every load and store (one flag byte per program): one read of ``x``
+produces the data, the amax and the counts. Not ready (the first steps), ``x`` is read twice, as by the reference
+(amax, then cast). Either way the result is the reference's bit for bit: the amax is ``max |x|`` exactly, the scale is
+the same torch expression of it, and the data and counts come from a cast with exactly that scale. (``tensorwise``,
+whose scale needs the amax before the cast, keeps its two passes: torch's amax, then the kernel.)
+
 Block mode: :func:`triton_block_cast`, behind :func:`lightning_fp8.quantize.quantize` for ``"block"`` cast specs
 (``blockwise``: 1x128 / 128x1 tiles and 128x128 blocks, ``mxfp8``: 1x32 / 32x1 blocks), computes the whole
 block-scaled cast in one pass too. For a 2-D ``x`` (R, C) and a block shape (bm, bn), each program holds a group
@@ -158,10 +174,14 @@ def _cast_with_statistics_kernel(
     scale_ptr,
     out_ptr,
     partial_ptr,
+    amax_ptr,
+    gate_ptr,
     numel,
     n_cols,
     X_IS_BF16: tl.constexpr,
     SCALE_MODE: tl.constexpr,
+    AMAX: tl.constexpr,
+    GATED: tl.constexpr,
     MAX_BITS: tl.constexpr,
     MANTISSA_SHIFT: tl.constexpr,
     REBIAS: tl.constexpr,
@@ -179,6 +199,11 @@ def _cast_with_statistics_kernel(
         start = pid * BLOCK
     offs = start + tl.arange(0, BLOCK)
     mask = offs < numel
+    if GATED:
+        # The fallback launch of a history-scaled cast: work only when the history is not ready (gate byte 0).
+        # When it is, every load and store is masked off: the launch reads one byte per program and nothing of x.
+        ready = tl.load(gate_ptr).to(tl.int32)
+        mask = mask & ((tl.zeros([BLOCK], tl.int32) + ready) == 0)  # (a lane-wise flag, as the interpreter needs)
 
     if X_IS_BF16:
         # bf16 arrives as int16 bits; widening by a shift is exact everywhere (the interpreter's
@@ -198,12 +223,24 @@ def _cast_with_statistics_kernel(
     )
     tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
 
-    nonzero = ((x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) != 0) & mask  # x != 0, NaN included
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # masked lanes hold 0
+    if AMAX:
+        # This program's max |x|, on the bits (as in the block kernel): every NaN is above +Inf, so a NaN gives
+        # the canonical NaN, as torch's amax propagates it.
+        amax_bits = tl.max(abs_bits, axis=0)
+        amax_bits = tl.where(amax_bits > 0x7F800000, 0x7FC00000, amax_bits)
+        tl.store(amax_ptr + pid, amax_bits.to(tl.float32, bitcast=True))
+    nonzero = (abs_bits != 0) & mask  # x != 0, NaN included
     underflow = nonzero & ((code & 0x7F) == 0)  # an fp8 value is zero iff all bits but the sign are
     overflow = overflow & mask
-    tl.store(partial_ptr + pid * 3 + 0, tl.sum(nonzero.to(tl.int32), axis=0))
-    tl.store(partial_ptr + pid * 3 + 1, tl.sum(overflow.to(tl.int32), axis=0))
-    tl.store(partial_ptr + pid * 3 + 2, tl.sum(underflow.to(tl.int32), axis=0))
+    if GATED:
+        tl.store(partial_ptr + pid * 3 + 0, tl.sum(nonzero.to(tl.int32), axis=0), mask=ready == 0)
+        tl.store(partial_ptr + pid * 3 + 1, tl.sum(overflow.to(tl.int32), axis=0), mask=ready == 0)
+        tl.store(partial_ptr + pid * 3 + 2, tl.sum(underflow.to(tl.int32), axis=0), mask=ready == 0)
+    else:
+        tl.store(partial_ptr + pid * 3 + 0, tl.sum(nonzero.to(tl.int32), axis=0))
+        tl.store(partial_ptr + pid * 3 + 1, tl.sum(overflow.to(tl.int32), axis=0))
+        tl.store(partial_ptr + pid * 3 + 2, tl.sum(underflow.to(tl.int32), axis=0))
 
 
 def _block_cast_kernel(
@@ -375,20 +412,44 @@ def triton_cast_with_statistics(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype
     numel = x.numel()
     if numel == 0:
         return data, torch.zeros(3, dtype=torch.int64, device=x.device)
+    partial = torch.empty(_n_programs(numel), 3, dtype=torch.int32, device=x.device)
+    _launch(x, scale, scale_mode, n_cols, data, partial)
+    return data, partial.sum(dim=0)
+
+
+def _n_programs(numel: int) -> int:
+    return (numel + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+def _launch(
+    x: Tensor,
+    scale: Tensor,
+    scale_mode: int,
+    n_cols: int,
+    data: Tensor,
+    partial: Tensor,
+    amax: Tensor | None = None,
+    gate: Tensor | None = None,
+) -> None:
+    """One launch of the elementwise kernel over a non-empty ``x``: ``data`` and the ``partial`` counts; with ``amax``
+    also each program's max ``|x|``; with ``gate`` (a one-byte device flag) only where the flag is 0."""
     kernel = _kernel()
-    n_blocks = (numel + BLOCK_SIZE - 1) // BLOCK_SIZE
-    partial = torch.empty(n_blocks, 3, dtype=torch.int32, device=x.device)
-    fmt = _FORMATS[fp8_dtype]
+    fmt = _FORMATS[data.dtype]
+    numel = x.numel()
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        kernel[(n_blocks,)](
+        kernel[(_n_programs(numel),)](
             x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
             scale.reshape(-1),
             data.view(torch.uint8),
             partial,
+            partial if amax is None else amax,  # unused without AMAX / GATED
+            partial if gate is None else gate,
             numel,
             n_cols,
             X_IS_BF16=x.dtype == torch.bfloat16,
             SCALE_MODE=scale_mode,
+            AMAX=amax is not None,
+            GATED=gate is not None,
             MAX_BITS=fmt["max_bits"],
             MANTISSA_SHIFT=fmt["mantissa_shift"],
             REBIAS=fmt["rebias"],
@@ -400,7 +461,73 @@ def triton_cast_with_statistics(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype
             BLOCK=BLOCK_SIZE,
             num_warps=NUM_WARPS,
         )
-    return data, partial.sum(dim=0)
+
+
+def history_cast_supported(x: Tensor, history_scale: Tensor, history_ready: Tensor) -> bool:
+    """Whether :func:`triton_history_cast` takes these arguments (:func:`use_triton` aside): a non-empty ``x``, a
+    float32 one-element history scale and a bool one-element readiness flag, both on ``x``'s device."""
+    return (
+        x.numel() > 0
+        and history_scale.dtype == torch.float32
+        and history_scale.numel() == 1
+        and history_ready.dtype == torch.bool
+        and history_ready.numel() == 1
+        and history_scale.device == x.device
+        and history_ready.device == x.device
+    )
+
+
+def triton_history_cast(
+    x: Tensor,
+    history_scale: Tensor,
+    history_ready: Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A per-tensor, history-scaled cast (the ``delayed`` recipe): ``(data, scale, amax, counts)``, no host sync.
+
+    The same bits as the torch reference of :func:`lightning_fp8.quantize.quantize` for a ``"tensor"`` granularity,
+    ``scale_source="history"`` cast spec:
+
+    * ``amax``: float32 ``()``, ``max |x|`` (NaN if ``x`` holds a NaN);
+    * ``scale``: ``torch.where(history_ready, history_scale, amax_to_scale(amax, fp8_max, margin, power_of_2))``;
+    * ``data``: ``saturated_cast(x * scale)``; ``counts``: int64 ``(3,)`` ``[nonzero, overflow, underflow]``.
+
+    Two launches of the elementwise kernel and a few scalar torch ops, whatever the flag says (the host never reads
+    it): the first casts with ``history_scale`` and also computes per-program maxima of ``|x|``, reduced to ``amax``
+    by one torch ``amax`` over them; the second is gated by ``history_ready`` on the device: when the history is
+    ready it masks off every load and store (one read of ``x`` in all), when it is not it casts again with the
+    current-amax scale, overwriting the data and counts of the first launch (two reads, as the reference's).
+
+    Args:
+        x: contiguous, non-empty float32, bfloat16 or float16 tensor, any shape.
+        history_scale: float32, one element, on ``x``'s device.
+        history_ready: bool, one element, on ``x``'s device.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        margin, power_of_2: as in :func:`lightning_fp8.recipe.amax_to_scale`, for the current-amax scale.
+    """
+    if fp8_dtype not in _FORMATS:
+        raise ValueError(f"fp8_dtype={fp8_dtype} is not valid; choose one of {list(_FORMATS)}")
+    if x.dtype not in SUPPORTED_INPUT_DTYPES:
+        raise TypeError(f"the Triton cast expects x of dtype {list(SUPPORTED_INPUT_DTYPES)}, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError("the Triton cast expects a contiguous x; call .contiguous() first")
+    if not history_cast_supported(x, history_scale, history_ready):
+        raise ValueError(
+            "the Triton history cast expects a non-empty x, a float32 one-element history_scale and a bool "
+            "one-element history_ready on x's device"
+        )
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    n_programs = _n_programs(x.numel())
+    partial = torch.empty(n_programs, 3, dtype=torch.int32, device=x.device)
+    partial_amax = torch.empty(n_programs, dtype=torch.float32, device=x.device)
+    _launch(x, history_scale, SCALE_TENSORWISE, 1, data, partial, amax=partial_amax)
+    amax = partial_amax.amax()  # NaN-propagating, as the reference's x.abs().amax()
+    scale = torch.where(history_ready, history_scale, amax_to_scale(amax, FP8_MAX[fp8_dtype], margin, power_of_2))
+    _launch(x, scale, SCALE_TENSORWISE, 1, data, partial, gate=history_ready.reshape(-1).view(torch.uint8))
+    return data, scale, amax, partial.sum(dim=0)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -9,6 +9,11 @@ marker. The tests in this process read that report: a wrong kernel, a crash or a
 The block kernel (:func:`~lightning_fp8.triton_cast.triton_block_cast`) is checked the same way against the torch
 reference ``quantize(x, spec)`` of a ``"block"`` cast spec (:func:`_block_cases`): data, block scales and block
 amaxes bit for bit (NaNs in the same places) and the exact counts; and ``quantize()`` must dispatch to it.
+
+The history-scaled per-tensor cast (:func:`~lightning_fp8.triton_cast.triton_history_cast`, the ``delayed`` recipe)
+is checked through ``quantize()`` against its torch reference (:func:`_history_cases`): data, amax and scale bits and
+the counts, with the history ready and not ready; it must launch the elementwise kernel twice (the fused cast with the
+amax, then the fallback gated on the readiness flag), and the gated launch must do nothing when the history is ready.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ import torch
 from lightning_fp8 import triton_cast
 from lightning_fp8.quantize import cast_statistics, cast_with_statistics, current_amax, quantize, saturated_cast
 from lightning_fp8.recipe import AMAX_EPS, E4M3, E5M2, FP8_MAX, INPUT, CastSpec, amax_to_scale
-from lightning_fp8.triton_cast import BLOCK_SIZE, triton_block_cast, triton_cast_with_statistics, use_triton
+from lightning_fp8.triton_cast import (
+    BLOCK_SIZE,
+    history_cast_supported,
+    triton_block_cast,
+    triton_cast_with_statistics,
+    triton_history_cast,
+    use_triton,
+)
 
 MARKER = "TRITON_CAST_INTERPRETER_REPORT "
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -269,6 +281,76 @@ BLOCK_DISPATCH_CASES = [
 BLOCK_INT64_INDEX_CASES = ["128x1-e5m2-fp32-pow2-200x300", "3x40-e4m3-fp32-pow2-50x130"]
 
 
+# ---------------------------------------------------------------------------------- history cases
+
+
+def _history_spec(fp8: torch.dtype, margin: int = 0, power_of_2: bool = False) -> CastSpec:
+    return CastSpec(INPUT, fp8, "tensor", None, "history", margin, power_of_2)
+
+
+def _history_args(ready: bool, history_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(history scale, ready)`` as the layers pass them: 0-d views into a state table (at an offset, between
+    neighbours that say the opposite), so the kernel must read the right element."""
+    flags = torch.full((4, 3), not ready)
+    flags[2, 1] = ready
+    scales = torch.full((4,), float("nan"))
+    scales[2] = history_scale
+    return scales[2], flags[2, 1]
+
+
+def _history_cases() -> dict[str, Callable[[], dict]]:
+    """name -> builder of ``dict(x, spec, history_scale, history_ready, statistics)``.
+
+    Main cases: both formats, float32 and bfloat16 inputs, history ready and not; ``random`` holds NaN, ±Inf, zeros and
+    values that overflow at the history scale (one program and a partial one), ``finite`` no NaN nor Inf over six
+    programs (a finite amax reduced across programs). Extra: an Inf without NaN (amax Inf: the current scale is 0),
+    all zeros (amax 0: the scale of eps), float16 with margin and power_of_2, a 1-element tensor, statistics off.
+    """
+    cases: dict[str, Callable[[], dict]] = {}
+
+    def case(x: torch.Tensor, spec: CastSpec, ready: bool, history_scale: float = 2.0**8, statistics: bool = True):
+        scale, flag = _history_args(ready, history_scale)
+        return {"x": x, "spec": spec, "history_scale": scale, "history_ready": flag, "statistics": statistics}
+
+    for fmt, fp8 in FORMATS.items():
+        for dname in ("fp32", "bf16"):
+            dtype = DTYPES[dname]
+            for ready in (True, False):
+                state = "ready" if ready else "not-ready"
+                seed = zlib.crc32(f"history-{fmt}-{dname}".encode())
+                cases[f"{fmt}-{dname}-{state}-random-37x129"] = lambda fp8=fp8, dtype=dtype, ready=ready, seed=seed: (
+                    case(_random((37, 129), dtype, torch.Generator().manual_seed(seed)), _history_spec(fp8), ready)
+                )
+
+                def finite(fp8=fp8, dtype=dtype, ready=ready, seed=seed):
+                    x = _random((5, BLOCK_SIZE + 3), torch.float32, torch.Generator().manual_seed(seed + 1))
+                    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x)).to(dtype)
+                    return case(x, _history_spec(fp8), ready, history_scale=1e-3)
+
+                cases[f"{fmt}-{dname}-{state}-finite-5x{BLOCK_SIZE + 3}"] = finite
+    for ready in (True, False):
+        state = "ready" if ready else "not-ready"
+
+        def inf_no_nan(ready=ready):
+            x = _random((3, 1001), torch.float32, torch.Generator().manual_seed(23))
+            x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+            return case(x, _history_spec(E4M3), ready)
+
+        cases[f"e4m3-fp32-{state}-inf-no-nan-3x1001"] = inf_no_nan
+        cases[f"e5m2-fp32-{state}-zeros-7x9"] = lambda ready=ready: case(torch.zeros(7, 9), _history_spec(E5M2), ready)
+    cases["e4m3-fp16-not-ready-margin-pow2-37x129"] = lambda: case(
+        _random((37, 129), torch.float16, torch.Generator().manual_seed(29)), _history_spec(E4M3, 2, True), False
+    )
+    cases["e5m2-fp32-not-ready-one-element"] = lambda: case(torch.tensor([-3.5]), _history_spec(E5M2), False)
+    cases["e4m3-bf16-ready-statistics-off-37x129"] = lambda: case(
+        _random((37, 129), torch.bfloat16, torch.Generator().manual_seed(31)), _history_spec(E4M3), True, 0.5, False
+    )
+    cases["e4m3-bf16-not-ready-statistics-off-37x129"] = lambda: case(
+        _random((37, 129), torch.bfloat16, torch.Generator().manual_seed(31)), _history_spec(E4M3), False, 0.5, False
+    )
+    return cases
+
+
 # ------------------------------------------------------------------------------- the child process
 
 
@@ -367,6 +449,65 @@ def _compare_block_dispatch(
     return result
 
 
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.reshape(-1).view(torch.int32).tolist()
+
+
+def _compare_history(
+    x: torch.Tensor,
+    spec: CastSpec,
+    history_scale: torch.Tensor,
+    history_ready: torch.Tensor,
+    statistics: bool,
+    cast_module,
+) -> dict[str, object]:
+    """``quantize()`` with ``use_triton`` true (as on CUDA) against ``quantize()`` running the torch reference."""
+    kwargs = {"statistics": statistics, "history_scale": history_scale, "history_ready": history_ready}
+    cast_module.use_triton = lambda x: False
+    ref = quantize(x, spec, **kwargs)
+    cast_module.use_triton = lambda x: True
+    q = quantize(x, spec, **kwargs)
+    result: dict[str, object] = {
+        "data_meta": [str(q.data.dtype), list(q.data.shape)],
+        "ref_data_meta": [str(ref.data.dtype), list(ref.data.shape)],
+        "scale": [str(q.scale.dtype), list(q.scale.shape), _bits(q.scale)],
+        "ref_scale": [str(ref.scale.dtype), list(ref.scale.shape), _bits(ref.scale)],
+        "scale_mismatches": _bit_mismatches(q.scale, ref.scale),
+        "stats": [q.stats is None, ref.stats is None],
+        **_data_mismatches(q.data, ref.data, x),
+    }
+    if q.stats is not None and ref.stats is not None:
+        result["amax"] = [str(q.stats.amax.dtype), list(q.stats.amax.shape), _bits(q.stats.amax)]
+        result["ref_amax"] = [str(ref.stats.amax.dtype), list(ref.stats.amax.shape), _bits(ref.stats.amax)]
+        result["amax_mismatches"] = _bit_mismatches(q.stats.amax, ref.stats.amax)
+        result["stats_scale_mismatches"] = _bit_mismatches(q.stats.scale, ref.stats.scale)
+        result["numel"] = [q.stats.numel, ref.stats.numel]
+        result["counts"] = [str(q.stats.counts.dtype), q.stats.counts.tolist()]
+        result["ref_counts"] = [str(ref.stats.counts.dtype), ref.stats.counts.tolist()]
+        result["amax_bins"] = [q.stats.amax_bins is None, ref.stats.amax_bins is None]
+    return result
+
+
+def _gated_launch_is_a_no_op() -> dict[str, object]:
+    """The fallback launch with the history ready: no FP8 byte and no partial count written (every load and store of
+    the program is masked off), whatever ``x`` and the scale; with the history not ready, it casts."""
+    x = _random((5, BLOCK_SIZE + 3), torch.float32, torch.Generator().manual_seed(37))
+    result = {}
+    for ready in (True, False):
+        data = torch.full(x.shape, 0x55, dtype=torch.uint8).view(E4M3)
+        partial = torch.full((triton_cast._n_programs(x.numel()), 3), -7, dtype=torch.int32)
+        gate = _history_args(ready, 1.0)[1].reshape(-1).view(torch.uint8)
+        triton_cast._launch(x, torch.tensor(0.5), triton_cast.SCALE_TENSORWISE, 1, data, partial, gate=gate)
+        ref_data, ref_counts = _reference(x, torch.tensor(0.5), E4M3)
+        result["ready" if ready else "not_ready"] = {
+            "data_untouched": bool((data.view(torch.uint8) == 0x55).all()),
+            "partial_untouched": bool((partial == -7).all()),
+            "data_is_cast": torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)),
+            "counts_are_cast": torch.equal(partial.sum(0), ref_counts),
+        }
+    return result
+
+
 def _run_in_interpreter() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run this with TRITON_INTERPRET=1"
     import lightning_fp8.quantize as cast_module
@@ -375,11 +516,17 @@ def _run_in_interpreter() -> None:
     block_kernel = triton_cast._block_kernel()
     launches: list[object] = []
     block_launches: list[object] = []
+    launch_flags: list[list[bool]] = []  # [AMAX, GATED] of each elementwise launch
 
     class CountingKernel:
         def __getitem__(self, grid):
             launches.append(grid)
-            return kernel[grid]
+
+            def launch(*args, **kwargs):
+                launch_flags.append([bool(kwargs.get("AMAX")), bool(kwargs.get("GATED"))])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
 
     class CountingBlockKernel:
         def __getitem__(self, grid):
@@ -422,6 +569,22 @@ def _run_in_interpreter() -> None:
     report["block_cases"] = run_block_cases(_compare_block, list(block_cases))
     # Through quantize(), as on CUDA: a block spec must run the block kernel, once (and the reference otherwise).
     report["block_dispatch"] = run_block_cases(_compare_block_dispatch, BLOCK_DISPATCH_CASES, cast_module)
+    # The history-scaled per-tensor cast, through quantize() as on CUDA.
+    history_cases = _history_cases()
+    report["history"] = {}
+    for name, build in history_cases.items():
+        before = len(launch_flags)
+        try:
+            case = build()
+            result = _compare_history(**case, cast_module=cast_module)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        result["launch_flags"] = launch_flags[before:]
+        report["history"][name] = result
+    try:
+        report["gated_no_op"] = _gated_launch_is_a_no_op()
+    except Exception:
+        report["gated_no_op"] = {"error": traceback.format_exc()}
     # Through the dispatch point, as on CUDA: cast_with_statistics must call the kernel.
     cast_module.use_triton = lambda x: True
     report["dispatch"] = run_cases(cast_with_statistics, DISPATCH_CASES)
@@ -476,6 +639,88 @@ def test_cast_with_statistics_dispatches_to_triton(interpreter_report, name):
 @pytest.mark.parametrize("name", INT64_INDEX_CASES)
 def test_triton_cast_int64_indexing_matches_reference(interpreter_report, name):
     _check(interpreter_report["int64_index"][name], expect_launch=True)
+
+
+@pytest.mark.parametrize("name", list(_history_cases()))
+def test_triton_history_cast_matches_reference_bit_for_bit(interpreter_report, name):
+    """data, scale, amax (NaN bits included) and counts of the fused history cast, as the torch reference's; two
+    launches of the elementwise kernel: the cast with the amax, then the fallback gated on the readiness flag."""
+    result = interpreter_report["history"][name]
+    assert "error" not in result, result.get("error")
+    assert result["launch_flags"] == [[True, False], [False, True]], "expected the fused cast, then the gated one"
+    assert result["data_meta"] == result["ref_data_meta"], "data dtype/shape differ from the reference"
+    assert result["data_mismatches"] == 0, (
+        f"{result['data_mismatches']} FP8 bytes differ; {result.get('first_mismatch')}"
+    )
+    # bits compared exactly, except that a NaN matches any NaN: torch's own NaN payloads depend on the backend
+    # (its CPU amax of a float16 NaN is 0x7FFFFFFF), the kernel's amax NaN is the canonical 0x7FC00000
+    assert result["scale"][:2] == result["ref_scale"][:2], "the scale's dtype or shape differs from the reference"
+    assert result["scale_mismatches"] == 0, f"scale bits {result['scale'][2]} != reference {result['ref_scale'][2]}"
+    statistics = "statistics-off" not in name
+    assert result["stats"] == [not statistics, not statistics]
+    if statistics:
+        assert result["amax"][:2] == result["ref_amax"][:2], "the amax's dtype or shape differs from the reference"
+        assert result["amax_mismatches"] == 0, f"amax bits {result['amax'][2]} != reference {result['ref_amax'][2]}"
+        assert result["stats_scale_mismatches"] == 0
+        assert result["numel"][0] == result["numel"][1]
+        assert result["counts"] == result["ref_counts"], "[nonzero, overflow, underflow] differ from the reference"
+        assert result["amax_bins"] == [True, True]
+
+
+def test_gated_launch_does_nothing_when_the_history_is_ready(interpreter_report):
+    """Steady state (history ready): the fallback launch writes nothing (its loads of x are masked off too), so the
+    cast reads x once; with the history not ready it is the full cast."""
+    result = interpreter_report["gated_no_op"]
+    assert "error" not in result, result.get("error")
+    assert result["ready"]["data_untouched"] and result["ready"]["partial_untouched"]
+    assert result["not_ready"]["data_is_cast"] and result["not_ready"]["counts_are_cast"]
+
+
+def test_history_cases_cover_what_they_claim():
+    cases = _history_cases()
+    seen = {"nan": 0, "inf": 0, "overflow": 0, "underflow": 0, "multi_program": 0}
+    for name, build in cases.items():
+        case = build()
+        x, ready = case["x"], case["history_ready"]
+        assert ready.dim() == 0 and ready.item() == ("not-ready" not in name) and ready.storage_offset() > 0
+        assert case["history_scale"].dim() == 0 and case["history_scale"].storage_offset() > 0
+        if "random" in name:
+            assert torch.isnan(x).any() and torch.isinf(x).any() and (x == 0).any()
+        q = quantize(x, case["spec"], history_scale=case["history_scale"], history_ready=ready)
+        _, overflow, underflow = q.stats.counts.tolist()
+        seen["nan"] += bool(torch.isnan(q.stats.amax))
+        seen["inf"] += bool(torch.isinf(q.stats.amax))
+        seen["overflow"] += overflow > 0
+        seen["underflow"] += underflow > 0
+        seen["multi_program"] += x.numel() > BLOCK_SIZE
+    assert all(n >= 2 for n in seen.values()), seen
+
+
+def test_quantize_history_on_cpu_runs_the_reference(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the Triton history cast must not run on CPU tensors")
+
+    monkeypatch.setattr("lightning_fp8.quantize.triton_history_cast", fail)
+    x = _random((7, 9), torch.float32, torch.Generator().manual_seed(1))
+    q = quantize(x, _history_spec(E4M3), history_scale=torch.tensor(2.0), history_ready=torch.tensor(True))
+    assert torch.equal(q.scale, torch.tensor(2.0)) and q.stats is not None
+
+
+def test_history_cast_supported_conditions():
+    x, scale, ready = torch.randn(3, 4), torch.tensor(1.0), torch.tensor(True)
+    assert history_cast_supported(x, scale, ready)
+    assert history_cast_supported(x, scale.reshape(1), ready.reshape(1, 1))
+    assert not history_cast_supported(torch.empty(0, 4), scale, ready)
+    assert not history_cast_supported(x, scale.double(), ready)
+    assert not history_cast_supported(x, torch.ones(2), ready)
+    assert not history_cast_supported(x, scale, torch.tensor(1))
+    assert not history_cast_supported(x, scale, torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError):
+        triton_history_cast(x, torch.ones(2), ready, E4M3)
+    with pytest.raises(ValueError):
+        triton_history_cast(x, scale, ready, torch.float16)
+    with pytest.raises(TypeError):
+        triton_history_cast(x.double(), scale, ready, E4M3)
 
 
 def _check_block(result: dict, statistics: bool = True) -> None:
