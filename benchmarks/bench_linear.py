@@ -1,23 +1,30 @@
 #!/usr/bin/env python
-"""Benchmark FP8Linear against nn.Linear (fp32, bf16 autocast) and torchao's Float8Linear, in one run.
+"""Benchmark FP8Linear against nn.Linear (fp32, bf16 autocast) and torchao's FP8 training layers, in one run.
 
 Usage::
 
     python benchmarks/bench_linear.py [--quick | --small] [--out benchmarks/RESULTS.md] [--json benchmarks/results/linear.json]
                                       [--no-compile]
 
+Our variants are every recipe of ``lightning_fp8.recipe.RECIPES``. torchao's are its counterparts where they
+run on the machine: ``Float8Linear`` (``convert_to_float8_training``, ``emulate=True`` on a CPU) for
+``tensorwise`` and ``rowwise``, the prototype ``MXFP8Linear`` (``torchao.prototype.moe_training``, emulated kernels,
+RCEIL scales) for ``mxfp8``, and the prototype ``Float8BlockwiseLinear`` (``torchao.prototype.blockwise_fp8_training``)
+for ``blockwise``. A torchao variant that cannot run here (``Float8BlockwiseLinear``: Triton kernels, CUDA SM90 only) is
+tried once on a small layer; the reason it failed goes to the JSON (``torchao``) and the tables show it as not measured.
+
 Sections (all numbers come from this one process, so the ratios compare like with like):
 
 1. bytes saved for backward by one layer (``torch.autograd.graph.saved_tensors_hooks``; tensors that
    share storage with a parameter are not counted, each storage is counted once);
 2. forward+backward time per step of a transformer-block-like stack of Linear layers, eager (and
-   ``torch.compile`` (inductor) for bf16 and ours-tensorwise, within a compile-time budget);
+   ``torch.compile`` (inductor) for bf16 and each of our recipes, within a compile-time budget);
 3. device-to-host synchronisations (``aten._local_scalar_dense``) and aten op count per fwd+bwd;
 4. the cost of our statistics: train mode (casts with per-cast counts + state updates) vs eval mode
    (casts without any statistics, state untouched), through the public API, plus a micro-benchmark of
    the internal cast functions;
 5. quantization error: SQNR of the output, grad_input and grad_weight of one layer against a float64
-   reference, for each recipe and format, and torchao's tensorwise / rowwise on the same data.
+   reference, for each recipe and format, and torchao's counterparts on the same data.
 
 The raw numbers go to ``benchmarks/results/linear.json`` (``--json``), from which
 ``benchmarks/docs_tables.py`` renders the tables the documentation includes.
@@ -33,6 +40,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import statistics
@@ -47,6 +55,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_fp8 as lf
+from lightning_fp8.recipe import BLOCK_RECIPES, FORMATS, RECIPES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -56,8 +65,10 @@ logging.getLogger("torchao").setLevel(logging.ERROR)  # torchao warns about its 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "RESULTS.md")
 DEFAULT_JSON = os.path.join(HERE, "results", "linear.json")
-OURS_RECIPES = ("tensorwise", "delayed", "rowwise")
-COMPILE_BUDGET_S = 120.0
+#: Our recipes: all of them, from the library (a new recipe gets measured without editing this script).
+OURS_RECIPES: tuple[str, ...] = RECIPES
+#: Compile time (first two steps, summed over the compiled variants) after which the rest are skipped.
+COMPILE_BUDGET_S = 600.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,7 +108,7 @@ def make_config(quick: bool, small: bool = False) -> Config:
     if quick:
         return Config(quick=True, tokens=1024, hidden=512, warmup=1, reps=3, layer_m=2048, layer_reps=3)
     if small:
-        return Config(quick=False, small=True, tokens=256, hidden=256, layer_m=1024, layer_k=512, layer_n=512)
+        return Config(quick=False, small=True, tokens=256, hidden=256, reps=11, layer_m=1024, layer_k=512, layer_n=512)
     return Config(quick=False)
 
 
@@ -113,6 +124,27 @@ environment = harness.environment
 # variants
 
 
+#: torchao's layer for each of our recipes that it implements, in table order (``delayed`` has none: torchao
+#: removed delayed scaling).
+TORCHAO_LAYERS: dict[str, str] = {
+    "tensorwise": "Float8Linear",
+    "rowwise": "Float8Linear",
+    "blockwise": "Float8BlockwiseLinear",
+    "mxfp8": "MXFP8Linear",
+}
+TORCHAO_NAMES: dict[str, str] = {
+    "tensorwise": "torchao tensorwise (emulate)",
+    "rowwise": "torchao rowwise (emulate)",
+    "blockwise": "torchao blockwise (Float8BlockwiseLinear)",
+    "mxfp8": "torchao mxfp8 (MXFP8Linear, emulated)",
+}
+#: What the error of a torchao variant that cannot run on a CPU means (the error itself is recorded too).
+TORCHAO_CPU_NOTES: dict[str, str] = {
+    "blockwise": "torchao.prototype.blockwise_fp8_training casts and multiplies with Triton kernels for CUDA "
+                 "(Float8BlockwiseLinear asserts an SM90 GPU and bias-free layers); it has no CPU or emulated path",
+}
+
+
 def load_torchao() -> tuple[Callable[..., nn.Module], Any] | None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -125,6 +157,73 @@ def torchao_config(recipe: str) -> Any:
     _, Float8LinearConfig = load_torchao()  # type: ignore[misc]
     # emulate=True: torchao's only way to run on CPU (dequantize to float32, torch.mm).
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+
+
+def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    for name, child in model.named_children():
+        if type(child) is nn.Linear:
+            setattr(model, name, make(child))
+        else:
+            _swap_linears(child, make)
+    return model
+
+
+def convert_torchao(recipe: str, model: nn.Module) -> nn.Module:
+    """``model`` with its ``nn.Linear`` layers replaced by torchao's layer for ``recipe`` (:data:`TORCHAO_LAYERS`)."""
+    if recipe in ("tensorwise", "rowwise"):
+        convert, _ = load_torchao()  # type: ignore[misc]
+        return convert(model, config=torchao_config(recipe))
+    if recipe == "mxfp8":
+        # torchao 0.18's MX training layer (it has no MXLinear / MXLinearConfig any more), with its hardware-agnostic kernels (PyTorch casts,
+        # dequantize, torch.mm) and NVIDIA's RCEIL scale rounding (lightning_fp8's rule). Not
+        # quantize_(model, MXFP8TrainingOpConfig): its weight wrapper drops the bias of F.linear in torchao 0.18.
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        def make(lin: nn.Linear) -> nn.Module:
+            new = MXFP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              kernel_preference=KernelPreference.EMULATED,
+                              scale_calculation_mode=ScaleCalculationMode.RCEIL)
+            new.load_state_dict(lin.state_dict())
+            return new
+
+        return _swap_linears(model, make)
+    if recipe == "blockwise":
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig
+        from torchao.quantization import quantize_
+
+        quantize_(model, Float8BlockwiseLinearConfig())
+        return model
+    raise ValueError(f"torchao has no counterpart of recipe {recipe!r}")
+
+
+@functools.cache
+def torchao_status() -> dict[str, dict[str, Any]]:
+    """Whether each torchao variant runs here: one forward and backward of a small layer under CPU autocast.
+
+    Keyed by kind (``torchao-<recipe>``): the variant's name, torchao's layer, ``measured`` and, if not, the reason.
+    """
+    status: dict[str, dict[str, Any]] = {}
+    for recipe, layer in TORCHAO_LAYERS.items():
+        info: dict[str, Any] = {"recipe": recipe, "name": TORCHAO_NAMES[recipe], "layer": layer, "measured": True,
+                                "reason": None}
+        if load_torchao() is None:
+            info.update(measured=False, reason="torchao is not importable")
+        else:
+            try:
+                # bias-free, 128-aligned: the strictest layer (Float8BlockwiseLinear) accepts this shape
+                model = convert_torchao(recipe, nn.Sequential(nn.Linear(256, 256, bias=False)))
+                x = torch.randn(128, 256, requires_grad=True)
+                with torch.autocast("cpu", torch.bfloat16):
+                    out = model(x)
+                out.float().sum().backward()
+            except Exception as err:
+                error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+                note = TORCHAO_CPU_NOTES.get(recipe)
+                info.update(measured=False, reason=f"{note} (here: {error})" if note else f"failed here: {error}")
+        status[f"torchao-{recipe}"] = info
+    return status
 
 
 @dataclasses.dataclass
@@ -153,9 +252,7 @@ def build_variant(kind: str, base: nn.Module) -> Variant:
         return Variant("nn.Linear bf16 autocast", model, autocast=True, fp8=False)
     if kind.startswith("torchao-"):
         recipe = kind.split("-", 1)[1]
-        convert, _ = load_torchao()  # type: ignore[misc]
-        model = convert(model, config=torchao_config(recipe))
-        return Variant(f"torchao {recipe} (emulate)", model, autocast=True, fp8=False)
+        return Variant(TORCHAO_NAMES[recipe], convert_torchao(recipe, model), autocast=True, fp8=False)
     if kind.startswith("ours-"):
         recipe = kind.split("-", 1)[1]
         report = lf.convert_to_fp8(model, recipe=recipe)
@@ -164,10 +261,11 @@ def build_variant(kind: str, base: nn.Module) -> Variant:
     raise ValueError(kind)
 
 
-def available_kinds(with_fp32: bool, torchao_recipes: tuple[str, ...] = ("tensorwise", "rowwise")) -> list[str]:
+def available_kinds(with_fp32: bool, torchao_recipes: tuple[str, ...] = tuple(TORCHAO_LAYERS)) -> list[str]:
+    """The variants to measure: fp32 (if asked), bf16, the torchao variants that run here, all our recipes."""
     kinds = (["fp32"] if with_fp32 else []) + ["bf16"]
-    if load_torchao() is not None:
-        kinds += [f"torchao-{r}" for r in torchao_recipes]
+    status = torchao_status()
+    kinds += [f"torchao-{r}" for r in torchao_recipes if status[f"torchao-{r}"]["measured"]]
     return kinds + [f"ours-{r}" for r in OURS_RECIPES]
 
 
@@ -220,7 +318,12 @@ def bench_saved_bytes(cfg: Config) -> dict[str, Any]:
             variant = build_variant(kind, base)
             variant.model.requires_grad_(w_grad)
             x = torch.randn(m, k, dtype=dtype).requires_grad_(x_grad)
-            nbytes, described = saved_bytes(variant, x)
+            try:
+                nbytes, described = saved_bytes(variant, x)
+            except Exception as err:  # e.g. a layer that takes no input of another dtype than its weight
+                error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+                rows[kind][key] = {"bytes": None, "tensors": [], "name": variant.name, "error": error}
+                continue
             rows[kind][key] = {"bytes": nbytes, "tensors": described, "name": variant.name}
     return {"shape": (m, k, n), "scenarios": {k: v[0] for k, v in scenarios.items()}, "rows": rows}
 
@@ -293,25 +396,34 @@ def timed_round_robin(
     return times
 
 
-def bench_step_time(cfg: Config, compile_kinds: tuple[str, ...] = ()) -> dict[str, Any]:
+def bench_step_time(cfg: Config, compile_kinds: tuple[str, ...] = (), budget_s: float = COMPILE_BUDGET_S) -> dict[str, Any]:
     """Eager variants, plus ``torch.compile`` (inductor) of ``compile_kinds`` while the summed compile
-    time (first step) stays under :data:`COMPILE_BUDGET_S`. All timed steps are interleaved."""
+    time (first two steps) stays under ``budget_s``. All timed steps are interleaved.
+
+    The compiled variants share the stack's code objects (one dynamo cache entry per variant), so the cache is
+    reset once, the recompile limit is raised to hold them all, and each variant's graphs and graph breaks are
+    the growth of dynamo's counters while it compiles (a reset per variant would make the earlier ones recompile
+    in the timed loop)."""
     base = make_stack(cfg)
     x = torch.randn(cfg.tokens, cfg.hidden)
-    kinds = available_kinds(with_fp32=True, torchao_recipes=("tensorwise",))
+    kinds = available_kinds(with_fp32=True)
     variants = {kind: build_variant(kind, base) for kind in kinds}
     names = {k: v.name for k, v in variants.items()}
     steps = {kind: make_step(v, x) for kind, v in variants.items()}
     compile_info: dict[str, dict[str, Any]] = {}
     spent = 0.0
-    for kind in compile_kinds:
-        key = f"{kind}+compile"
-        if spent > COMPILE_BUDGET_S:
-            why = f"skipped: compile budget of {COMPILE_BUDGET_S:.0f} s used up ({spent:.0f} s)"
-            compile_info[key] = {"error": why}
-            continue
+    if compile_kinds:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(compile_kinds))
+    for kind in compile_kinds:
+        key = f"{kind}+compile"
+        if spent > budget_s:
+            why = f"skipped: compile budget of {budget_s:.0f} s used up ({spent:.0f} s)"
+            compile_info[key] = {"error": why}
+            continue
+        counters = torch._dynamo.utils.counters
+        graphs0, breaks0 = counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
         variant = build_variant(kind, base)
         step = make_step(variant, x, torch.compile(variant.model, backend="inductor"))
         t0 = time.perf_counter()
@@ -323,11 +435,10 @@ def bench_step_time(cfg: Config, compile_kinds: tuple[str, ...] = ()) -> dict[st
             continue
         elapsed = time.perf_counter() - t0
         spent += elapsed
-        counters = torch._dynamo.utils.counters
         info: dict[str, Any] = {
             "compile_s": elapsed,
-            "graphs": counters["stats"].get("unique_graphs", 0),
-            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"].get("unique_graphs", 0) - graphs0,
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks0,
         }
         if kind.startswith("ours-"):
 
@@ -342,7 +453,8 @@ def bench_step_time(cfg: Config, compile_kinds: tuple[str, ...] = ()) -> dict[st
         steps[key] = step
     cpu: dict[str, list[float]] = {}
     times = timed_round_robin(steps, cfg.warmup, cfg.reps, cpu)
-    return {"names": names, "times": times, "cpu": cpu, "flops": stack_flops(cfg), "compile": compile_info}
+    return {"names": names, "times": times, "cpu": cpu, "flops": stack_flops(cfg), "compile": compile_info,
+            "compile_budget_s": budget_s}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,8 +614,7 @@ def bench_sqnr() -> dict[str, Any]:
 
     reference = step(copy.deepcopy(base).double(), x.double(), fp8=False)
     rows: dict[str, dict[str, Any]] = {}
-    for recipe, fmt in (("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("delayed", "hybrid"),
-                        ("delayed", "e4m3"), ("rowwise", "e4m3")):
+    for recipe, fmt in recipe_formats():
         model = copy.deepcopy(base)
         lf.convert_to_fp8(model, recipe=lf.FP8Recipe(name=recipe, fp8_format=fmt), log_summary=False)
         if recipe == "delayed":
@@ -512,14 +623,29 @@ def bench_sqnr() -> dict[str, Any]:
         got = step(model, x, fp8=True)
         rows[f"ours-{recipe}-{fmt}"] = {"name": f"ours {recipe} ({fmt})", "recipe": recipe, "format": fmt,
                                         "db": [sqnr_db(r, g) for r, g in zip(reference, got)]}
-    if load_torchao() is not None:
-        for recipe in ("tensorwise", "rowwise"):
-            model = build_variant(f"torchao-{recipe}", nn.Sequential(copy.deepcopy(base))).model
-            got = step(model, x, fp8=False)
-            rows[f"torchao-{recipe}"] = {"name": f"torchao {recipe} (emulate)", "recipe": recipe,
-                                         "format": "e4m3 fwd, e5m2 grads" if recipe == "tensorwise" else "e4m3",
-                                         "db": [sqnr_db(r, g) for r, g in zip(reference, got)]}
+    for kind in available_kinds(with_fp32=False):
+        if not kind.startswith("torchao-"):
+            continue
+        recipe = kind.split("-", 1)[1]
+        model = build_variant(kind, nn.Sequential(copy.deepcopy(base))).model
+        got = step(model, x, fp8=False)
+        rows[kind] = {"name": TORCHAO_NAMES[recipe], "recipe": recipe,
+                      "format": "e4m3 fwd, e5m2 grads" if recipe == "tensorwise" else "e4m3",
+                      "db": [sqnr_db(r, g) for r, g in zip(reference, got)]}
     return {"tensors": ["output", "grad_input", "grad_weight"], "rows": rows}
+
+
+def recipe_formats() -> list[tuple[str, str]]:
+    """Every (recipe, format) pair of our recipes that the library accepts, ``hybrid`` first."""
+    pairs = []
+    for recipe in OURS_RECIPES:
+        for fmt in FORMATS:
+            try:
+                lf.FP8Recipe(name=recipe, fp8_format=fmt)
+            except ValueError:  # e.g. rowwise and blockwise take E4M3 only
+                continue
+            pairs.append((recipe, fmt))
+    return pairs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -534,10 +660,16 @@ def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+def _not_measured(torchao: dict[str, dict[str, Any]], cells: int) -> list[str]:
+    """Table rows for the torchao variants that could not run here (``cells`` empty cells after the reason)."""
+    return [f"| {info['name']} | not measured (see above) |" + " |" * (cells - 1)
+            for info in torchao.values() if not info["measured"]]
+
+
 def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict, stats: dict, sqnr: dict,
-           total_s: float) -> str:
+           total_s: float, torchao: dict[str, dict[str, Any]]) -> str:
     L: list[str] = []
-    L.append("# lightning_fp8 benchmark: FP8Linear vs nn.Linear (fp32, bf16) and torchao Float8Linear")
+    L.append("# lightning_fp8 benchmark: FP8Linear vs nn.Linear (fp32, bf16) and torchao's FP8 training layers")
     L.append("")
     mode = "quick" if cfg.quick else "small" if cfg.small else "full"
     L.append(f"Generated by `python benchmarks/bench_linear.py{'' if mode == 'full' else ' --' + mode}` "
@@ -558,12 +690,22 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
         L.append("")
     L.append("> **Read this first.** This machine has no FP8 hardware. Our FP8 GEMMs run the *emulated* path "
              "(FP8 values widened to float32, float32 GEMM, scales applied to the float32 result, one rounding), and "
-             "torchao runs with `Float8LinearConfig(emulate=True)` (FP8 values dequantized to float32, `torch.mm`). "
+             "torchao runs with `Float8LinearConfig(emulate=True)` (FP8 values dequantized to float32, `torch.mm`), "
+             "and its prototype `MXFP8Linear` with `KernelPreference.EMULATED` (PyTorch casts, MX values dequantized "
+             "to the input's dtype, `torch.mm`). "
              "Both therefore pay a GEMM at least as expensive as bf16 *plus* the quantization casts, so on this "
              "machine FP8 can only be slower than bf16. The speed goal (faster than bf16) needs FP8 tensor cores "
              "(CUDA compute capability 8.9+), which were not available. What *is* meaningful here: bytes saved "
              "for backward (hardware-independent), host syncs, op counts, and the relative cost of our casts "
              "and statistics versus torchao's.")
+    L.append("")
+    L.append(f"Our recipes: {', '.join(f'`{r}`' for r in OURS_RECIPES)} (`lightning_fp8.recipe.RECIPES`; block "
+             f"recipes: {', '.join(f'`{r}`' for r in BLOCK_RECIPES)}). torchao's counterparts:")
+    L.append("")
+    for info in torchao.values():
+        state = "measured" if info["measured"] else f"**not measured**: {info['reason']}"
+        L.append(f"- `{info['recipe']}`: {info['name']} (`{info['layer']}`): {state}")
+    L.append("- `delayed`: none (torchao removed delayed scaling)")
     L.append("")
 
     # 1
@@ -587,9 +729,18 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
         for key in keys:
             ref = rows["bf16"][key]["bytes"]
             b = row[key]["bytes"]
+            if b is None:
+                cells.append("failed | ")
+                continue
             ratio = f"{b / ref:.3f}" if ref else "n/a"
             cells.append(f"{fmt_mib(b)} | {ratio}")
         L.append(f"| {row[keys[0]]['name']} | " + " | ".join(cells) + " |")
+    L.extend(_not_measured(torchao, 2 * len(keys)))
+    L.append("")
+    for kind, row in rows.items():
+        for key in keys:
+            if "error" in row[key]:
+                L.append(f"- {row[key]['name']}, scenario {key}: failed: {row[key]['error']}")
     L.append("")
     L.append("What each variant saved in scenario A:")
     L.append("")
@@ -618,18 +769,25 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
     L.append("")
     ref_ao = med.get("torchao-tensorwise")
     L.append("| variant | ms / step (median) | [min - max] | GEMM TFLOP/s | x bf16 | x bf16 (min) | x bf16 (CPU s) | "
-             "x torchao tensorwise |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+             "x torchao tensorwise | x torchao same recipe |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, t in med.items():
         ao = f"{t / ref_ao:.2f}" if ref_ao else "n/a"
+        same = "-"
+        if kind.startswith("ours-") and "+" not in kind:
+            twin = f"torchao-{kind.split('-', 1)[1]}"
+            same = f"{t / med[twin]:.2f}" if twin in med else "not measured" if twin in torchao else "none in torchao"
         L.append(f"| {names[kind]} | {fmt_ms(t)} | [{fmt_ms(low[kind])} - {fmt_ms(max(times[kind]))}] | "
                  f"{speed['flops'] / t / 1e12:.2f} | {t / med['bf16']:.2f} | {low[kind] / low['bf16']:.2f} | "
-                 f"{cpu[kind] / cpu['bf16']:.2f} | {ao} |")
+                 f"{cpu[kind] / cpu['bf16']:.2f} | {ao} | {same} |")
+    L.extend(_not_measured(torchao, 8))
     L.append("")
     L.append("x bf16 > 1 means slower than bf16. On this CPU that is expected for every FP8 variant (see the note "
              "at the top); the ratio shows the cost of the emulated path, not FP8 speed. torchao's emulation "
              "runs its forward GEMM in bf16 (CPU autocast applies to its `torch.mm`) but its two backward GEMMs in "
-             "float32 (backward runs outside autocast), ours multiplies the FP8 values of all three in float32 and rounds once, as `torch._scaled_mm` does.")
+             "float32 (backward runs outside autocast), ours multiplies the FP8 values of all three in float32 and rounds once, as `torch._scaled_mm` does. "
+             "torchao's `MXFP8Linear` is not affected by CPU autocast: it quantizes the float32 input and runs its three "
+             "emulated GEMMs in float32. Our block recipes dequantize each operand per block and multiply in float32.")
     L.append("")
     L.append("### torch.compile (inductor)")
     L.append("")
@@ -638,7 +796,7 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
         L.append("Skipped (`--quick` or `--no-compile`).")
     else:
         L.append(f"Compiled in this process before the timed loop (compile time = first two steps; the remaining "
-                 f"variants are skipped once {COMPILE_BUDGET_S:.0f} s of compile time is spent). Their step times are "
+                 f"variants are skipped once {speed.get('compile_budget_s', COMPILE_BUDGET_S):.0f} s of compile time is spent). Their step times are "
                  "rows of the table above (`+ torch.compile`).")
         L.append("")
         L.append("| variant | compile s (first 2 steps) | graphs | graph breaks | FP8 state updated when compiled | "
@@ -673,6 +831,7 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
     for kind, row in syncs["rows"].items():
         L.append(f"| {row['name']} | {row['syncs']} | {row['ops']} | {row['large_ops']} | "
                  f"{row['ops'] / syncs['linears']:.0f} |")
+    L.extend(_not_measured(torchao, 4))
     L.append("")
 
     # 4
@@ -724,6 +883,7 @@ def render(cfg: Config, env: dict[str, str], mem: dict, speed: dict, syncs: dict
     L.append("|---|" + "---:|" * len(sqnr["tensors"]))
     for row in sqnr["rows"].values():
         L.append(f"| {row['name']} | " + " | ".join(f"{v:.2f}" for v in row["db"]) + " |")
+    L.extend(_not_measured(torchao, len(sqnr["tensors"])))
     L.append("")
     L.append(f"Load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}.")
     L.append("")
@@ -741,9 +901,16 @@ def main() -> None:
     parser.add_argument("--small", action="store_true",
                         help="small shapes for CPUs without bf16 matrix units (full repetitions and compile)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile measurements")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default: torch's own choice); 1 is steadier on a loaded machine")
+    parser.add_argument("--compile-budget", type=float, default=COMPILE_BUDGET_S,
+                        help=f"seconds of compile time after which the remaining variants are not compiled "
+                             f"(default {COMPILE_BUDGET_S:.0f})")
     args = parser.parse_args()
 
     cfg = make_config(args.quick, args.small)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     env = environment()
     if load_torchao() is None:
@@ -754,9 +921,12 @@ def main() -> None:
 
     stage("1. bytes saved for backward")
     mem = bench_saved_bytes(cfg)
-    compile_kinds = () if (cfg.quick or args.no_compile) else ("bf16", "ours-tensorwise")
-    stage("2. fwd+bwd step time" + (" (compiling bf16 and ours-tensorwise first)" if compile_kinds else ""))
-    speed = bench_step_time(cfg, compile_kinds)
+    for info in torchao_status().values():
+        if not info["measured"]:
+            print(f"{info['name']}: not measured: {info['reason']}", file=sys.stderr)
+    compile_kinds = () if (cfg.quick or args.no_compile) else ("bf16", *(f"ours-{r}" for r in OURS_RECIPES))
+    stage("2. fwd+bwd step time" + (" (compiling bf16 and our recipes first)" if compile_kinds else ""))
+    speed = bench_step_time(cfg, compile_kinds, args.compile_budget)
     stage("3. syncs")
     syncs = bench_syncs(cfg)
     stage("4. statistics overhead")
@@ -766,15 +936,17 @@ def main() -> None:
     total = time.perf_counter() - t_start
     stage("done")
 
-    text = render(cfg, env, mem, speed, syncs, stats, sqnr, total)
+    text = render(cfg, env, mem, speed, syncs, stats, sqnr, total, torchao_status())
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
     command = ("python benchmarks/bench_linear.py" + (" --quick" if cfg.quick else "") + (" --small" if cfg.small else "")
-               + (" --no-compile" if args.no_compile else ""))
-    harness.write_result(args.json, env, command, config=dataclasses.asdict(cfg), total_s=total, saved_bytes=mem,
-                         step_time=speed, syncs=syncs, statistics=stats, sqnr=sqnr)
+               + (" --no-compile" if args.no_compile else "") + (f" --threads {args.threads}" if args.threads else "")
+               + (f" --compile-budget {args.compile_budget:g}" if args.compile_budget != COMPILE_BUDGET_S else ""))
+    harness.write_result(args.json, env, command, config=dataclasses.asdict(cfg), total_s=total,
+                         recipes=list(OURS_RECIPES), block_recipes=list(BLOCK_RECIPES), torchao=torchao_status(),
+                         saved_bytes=mem, step_time=speed, syncs=syncs, statistics=stats, sqnr=sqnr)
     print(f"\nwritten to {args.out} and {args.json}", file=sys.stderr)
 
 

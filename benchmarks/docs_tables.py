@@ -14,13 +14,15 @@ table is up to date with its JSON and that the pages carry no hand-typed measure
 Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.json`` and
 ``results/core_after.json`` (``bench_core.py`` on lightning-fp8 0.1 and on the core v2),
 ``results/core_instructions.json`` (callgrind counts of ``layer_overhead_workload.py``),
-``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config).
+``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config),
+``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -31,6 +33,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 TABLES = os.path.join(RESULTS, "tables")
+#: The recipes of the core v2 result files (``bench_core.py``); the linear tables take theirs from ``linear.json``.
 RECIPES = ("tensorwise", "delayed", "rowwise")
 
 
@@ -40,8 +43,9 @@ def load(name: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def caption(env: dict[str, str], command: str) -> str:
-    """The line above every table: when, where, which versions, which command, emulated or native."""
+def caption(env: dict[str, str], command: str, emulated_note: str | None = None) -> str:
+    """The line above every table: when, where, which versions, which command, emulated or native
+    (``emulated_note``: what the emulation means for this table, instead of the note about speed ratios)."""
     cpu = env.get("cpu", "unknown CPU")
     flags = env.get("cpu matrix flags", "")
     if flags and not flags.startswith("none"):
@@ -49,8 +53,8 @@ def caption(env: dict[str, str], command: str) -> str:
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "torchao", "lightning") if k in env)
     path = env.get("GEMM path", "")
     emulated = "emulated" in path or "cuda" not in env.get("device", "cpu")
-    what = ("**CPU, emulated FP8 GEMMs**: no FP8 hardware, so the ratios show the cost of the emulation, not FP8 "
-            "speed" if emulated else "native FP8 GEMMs")
+    what = ("**CPU, emulated FP8 GEMMs**: " + (emulated_note or "no FP8 hardware, so the ratios show the cost of the "
+                                                "emulation, not FP8 speed") if emulated else "native FP8 GEMMs")
     busy = ""
     load, cores = env.get("load average at start", ""), re.match(r"\d+", env.get("cores", ""))
     if load and cores and float(load.split()[0]) > int(cores.group(0)) / 2:
@@ -80,18 +84,60 @@ def _linear() -> tuple[dict[str, Any], str]:
     return data, caption(data["environment"], data["command"])
 
 
+def _linear_recipes(data: dict[str, Any]) -> list[str]:
+    """Our recipes in the run (older result files list none: their three)."""
+    return data.get("recipes", list(RECIPES))
+
+
+def _not_measured(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The torchao variants the run could not measure (kind -> status with the reason)."""
+    return {kind: info for kind, info in data.get("torchao", {}).items() if not info["measured"]}
+
+
+def _with_not_measured(data: dict[str, Any], keys: list[str]) -> list[str]:
+    """``keys`` (a table's variants) with the torchao variants that were not measured, each placed after the
+    torchao variant before it in torchao's order (or before the one after it)."""
+    order = list(data.get("torchao", {}))
+    out = list(keys)
+    for kind in _not_measured(data):
+        i = order.index(kind)
+        before = [k for k in order[:i] if k in out]
+        after = [k for k in order[i + 1:] if k in out]
+        out.insert(out.index(before[-1]) + 1 if before else out.index(after[0]) if after else len(out), kind)
+    return out
+
+
+def _not_measured_row(data: dict[str, Any], kind: str, cells: int) -> list[str]:
+    return [data["torchao"][kind]["name"], "not measured", *([""] * (cells - 1))]
+
+
+def _not_measured_notes(data: dict[str, Any]) -> str:
+    """The reasons, one line per torchao variant that was not measured (empty if none)."""
+    return "".join(f"\n\n*Not measured: {info['name']}: {info['reason']}.*" for info in _not_measured(data).values())
+
+
 def linear_saved_bytes() -> str:
     data, cap = _linear()
     mem = data["saved_bytes"]
     m, k, n = mem["shape"]
     rows = []
-    for row in mem["rows"].values():
-        a, d = row["A"], row["D"]
-        ref_a, ref_d = mem["rows"]["bf16"]["A"]["bytes"], mem["rows"]["bf16"]["D"]["bytes"]
-        rows.append([a["name"], f"{a['bytes'] / 2**20:.1f}", x(a["bytes"] / ref_a), x(d["bytes"] / ref_d)])
+    ref_a, ref_d = mem["rows"]["bf16"]["A"]["bytes"], mem["rows"]["bf16"]["D"]["bytes"]
+    failed = []
+    for kind in _with_not_measured(data, list(mem["rows"])):
+        if kind not in mem["rows"]:
+            rows.append(_not_measured_row(data, kind, 3))
+            continue
+        a, d = mem["rows"][kind]["A"], mem["rows"][kind]["D"]
+        cells = [a["name"]]
+        cells += [f"{a['bytes'] / 2**20:.1f}", x(a["bytes"] / ref_a)] if a["bytes"] is not None else ["failed", "failed"]
+        cells.append(x(d["bytes"] / ref_d) if d["bytes"] is not None else "failed")
+        failed += [f"{cell['name']} with a {what} input: {cell['error']}"
+                   for what, cell in (("float32", a), ("bf16", d)) if cell["bytes"] is None]
+        rows.append(cells)
+    notes = "".join(f"\n\n*Failed: {line}.*" for line in failed)
     return cap + "\n\n" + table(
         [f"layer (M = {m}, K = {k}, N = {n})", "MiB, float32 input", "× `nn.Linear` bf16, float32 input",
-         "× `nn.Linear` bf16, bf16 input"], rows)
+         "× `nn.Linear` bf16, bf16 input"], rows) + notes + _not_measured_notes(data)
 
 
 def _speed(data: dict[str, Any]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -102,18 +148,37 @@ def _speed(data: dict[str, Any]) -> tuple[dict[str, float], dict[str, float], di
     return med, low, cpu
 
 
+def _same_recipe(data: dict[str, Any], kind: str, values: dict[str, float]) -> str:
+    """``values[kind]`` against torchao's variant of the same recipe, for our eager variants."""
+    if not kind.startswith("ours-") or "+" in kind:
+        return ""
+    twin = "torchao-" + kind.split("-", 1)[1]
+    if twin in values:
+        return x(values[kind] / values[twin])
+    return "not measured" if twin in data.get("torchao", {}) else "none in torchao"
+
+
 def linear_step_time() -> str:
     data, cap = _linear()
     cfg, speed = data["config"], data["step_time"]
     med, low, cpu = _speed(data)
     ao = med.get("torchao-tensorwise")
-    rows = [[speed["names"][k], x(med[k] / med["bf16"]), x(low[k] / low["bf16"]), x(cpu[k] / cpu["bf16"]),
-             x(med[k] / ao) if ao else "n/a"] for k in med]
+    same_recipe = "torchao" in data  # older result files measured torchao tensorwise only
+    rows = []
+    for k in _with_not_measured(data, list(med)):
+        if k not in med:
+            rows.append(_not_measured_row(data, k, 5 if same_recipe else 4))
+            continue
+        row = [speed["names"][k], x(med[k] / med["bf16"]), x(low[k] / low["bf16"]), x(cpu[k] / cpu["bf16"]),
+               x(med[k] / ao) if ao else "n/a"]
+        rows.append(row + ([_same_recipe(data, k, med)] if same_recipe else []))
     what = (f"Forward + backward of a block stack (hidden {cfg['hidden']}, MLP {cfg['mlp_ratio']}×, {cfg['tokens']} "
             f"tokens), {cfg['reps']} interleaved timed steps per variant; ratios of the median wall time, the "
-            "fastest step and the median process CPU time.")
+            "fastest step and the median process CPU time"
+            + (", and of the median wall time to torchao's layer for the same recipe." if same_recipe else "."))
+    headers = ["variant", "× bf16 (median wall)", "× bf16 (fastest)", "× bf16 (CPU time)", "× torchao tensorwise"]
     return cap + "\n\n" + what + "\n\n" + table(
-        ["variant", "× bf16 (median wall)", "× bf16 (fastest)", "× bf16 (CPU time)", "× torchao tensorwise"], rows)
+        headers + (["× torchao, same recipe"] if same_recipe else []), rows) + _not_measured_notes(data)
 
 
 def linear_compile() -> str:
@@ -126,7 +191,7 @@ def linear_compile() -> str:
     for key, info in comp.items():
         kind = key.split("+")[0]
         if "error" in info:
-            rows.append([key, info["error"], "", "", ""])
+            rows.append([data["step_time"]["names"].get(kind, kind) + " + torch.compile", info["error"], "", "", ""])
             continue
         rows.append([data["step_time"]["names"][key], f"{info['compile_s']:.0f} s", info["graph_breaks"],
                      x(med[key] / med[kind]), x(med[key] / med["bf16"])])
@@ -137,9 +202,15 @@ def linear_compile() -> str:
 def linear_syncs() -> str:
     data, cap = _linear()
     syncs = data["syncs"]
-    rows = [[r["name"], r["syncs"], r["ops"], f"{r['ops'] / syncs['linears']:.0f}"] for r in syncs["rows"].values()]
+    rows = []
+    for kind in _with_not_measured(data, list(syncs["rows"])):
+        if kind not in syncs["rows"]:
+            rows.append(_not_measured_row(data, kind, 3))
+            continue
+        r = syncs["rows"][kind]
+        rows.append([r["name"], r["syncs"], r["ops"], f"{r['ops'] / syncs['linears']:.0f}"])
     return cap + "\n\n" + table(["variant", "host syncs per fwd+bwd", "aten ops per fwd+bwd",
-                                 "aten ops per Linear layer"], rows)
+                                 "aten ops per Linear layer"], rows) + _not_measured_notes(data)
 
 
 def linear_statistics() -> str:
@@ -149,7 +220,7 @@ def linear_statistics() -> str:
     md = {key: statistics.median(v) for key, v in st["public"].items()}
     mn = {key: min(v) for key, v in st["public"].items()}
     rows = []
-    for r in RECIPES:
+    for r in _linear_recipes(data):
         cells = [r]
         for what in ("fwd+bwd", "fwd"):
             tr, ev = f"{r}|train|{what}", f"{r}|eval|{what}"
@@ -170,12 +241,18 @@ def linear_statistics() -> str:
 def sqnr() -> str:
     data, cap = _linear()
     s = data["sqnr"]
-    rows = [[r["name"]] + [f"{v:.2f}" for v in r["db"]] for r in s["rows"].values()]
-    return cap + "\n\n" + table(["variant", *(f"{t} (dB)" for t in s["tensors"])], rows)
+    rows = []
+    for kind in _with_not_measured(data, list(s["rows"])):
+        if kind not in s["rows"]:
+            rows.append(_not_measured_row(data, kind, len(s["tensors"])))
+            continue
+        rows.append([s["rows"][kind]["name"]] + [f"{v:.2f}" for v in s["rows"][kind]["db"]])
+    return cap + "\n\n" + table(["variant", *(f"{t} (dB)" for t in s["tensors"])], rows) + _not_measured_notes(data)
 
 
 def recipes_measured() -> str:
     data, cap = _linear()
+    recipes = _linear_recipes(data)
     sq = data["sqnr"]["rows"]
     mem = data["saved_bytes"]["rows"]
     _, _, cpu = _speed(data)
@@ -184,15 +261,18 @@ def recipes_measured() -> str:
         return " / ".join(f"{v:.1f}" for v in sq[key]["db"]) + " dB" if key in sq else "n/a"
 
     rows = [
-        ["SQNR output / grad_input / grad_weight, `hybrid`"] + [db(f"ours-{r}-hybrid") for r in RECIPES],
-        ["same, `e4m3`"] + [db(f"ours-{r}-e4m3") for r in RECIPES],
+        ["SQNR output / grad_input / grad_weight, `hybrid`"] + [db(f"ours-{r}-hybrid") for r in recipes],
+        ["same, `e4m3`"] + [db(f"ours-{r}-e4m3") for r in recipes],
         ["bytes saved for backward vs `nn.Linear` under bf16 autocast"]
-        + [x(mem[f"ours-{r}"]["A"]["bytes"] / mem["bf16"]["A"]["bytes"]) for r in RECIPES],
+        + [x(mem[f"ours-{r}"]["A"]["bytes"] / mem["bf16"]["A"]["bytes"]) for r in recipes],
         # against the peer that emulates the same way: a ratio to bf16 mostly measures the CPU's bf16 matmul speed
         ["eager step time vs torchao tensorwise (both emulated), process CPU time"]
-        + [x(cpu[f"ours-{r}"] / cpu["torchao-tensorwise"]) if "torchao-tensorwise" in cpu else "n/a" for r in RECIPES],
+        + [x(cpu[f"ours-{r}"] / cpu["torchao-tensorwise"]) if "torchao-tensorwise" in cpu else "n/a" for r in recipes],
     ]
-    return cap + "\n\n" + table(["measured", *(f"`{r}`" for r in RECIPES)], rows)
+    if "torchao" in data:  # older result files measured torchao tensorwise only
+        rows.append(["same, vs torchao's layer for the same recipe"]
+                    + [_same_recipe(data, f"ours-{r}", cpu) for r in recipes])
+    return cap + "\n\n" + table(["measured", *(f"`{r}`" for r in recipes)], rows) + _not_measured_notes(data)
 
 
 # ---------------------------------------------------------------------------------------- core v2
@@ -250,7 +330,139 @@ def compare_example() -> str:
     return caption(data["environment"], data["command"]) + "\n\n" + report.rstrip("\n")
 
 
+# ---------------------------------------------------------------------------------------- bench_convergence
+
+CONVERGENCE_BASELINE, CONVERGENCE_TORCHAO = "bf16", "torchao"
+#: Issue 12's targets for the plain model: gap to bf16 at most this (%), for these recipes, and at most this many
+#: percentage points above torchao's gap in the same run.
+CONVERGENCE_TARGET_PCT, CONVERGENCE_TARGET_RECIPES, CONVERGENCE_TORCHAO_PP = 0.5, ("fp8-tensorwise", "fp8-delayed"), 0.2
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def _most_underflow(stats: dict[str, Any]) -> tuple[float, str] | None:
+    fracs = [(v, k) for k, v in stats.items() if k.endswith("/underflow_frac") and not k.startswith("fp8/worst/")]
+    if not fracs:
+        return None
+    value, key = max(fracs)
+    layer, tensor = key[len("fp8/"):].rsplit("/", 2)[:2]
+    return value, f"{layer} {tensor}"
+
+
+def convergence_summary(data: dict[str, Any], scenario: str) -> dict[str, dict[str, Any]]:
+    """Per variant of a scenario of ``results/convergence.json``: the final validation loss over the seeds, the
+    per-seed relative gap to bf16 (%) and its spread, the gap minus torchao's (percentage points), and the largest
+    FP8 underflow fraction of the run (the FP8 statistics of the whole run, mean over the seeds)."""
+    variants = data["scenarios"][scenario]["variants"]
+    base = variants.get(CONVERGENCE_BASELINE, {})
+    ao = variants.get(CONVERGENCE_TORCHAO, {})
+
+    def gap(runs: dict[str, Any], seed: str) -> float:
+        return 100 * (runs[seed]["final_val_loss"] / base[seed]["final_val_loss"] - 1)
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, runs in variants.items():
+        seeds = sorted(runs, key=int)
+        entry: dict[str, Any] = {"seeds": [int(s) for s in seeds],
+                                 "final_val_loss": _spread([runs[s]["final_val_loss"] for s in seeds])}
+        paired = [s for s in seeds if s in base]
+        if name != CONVERGENCE_BASELINE and paired:
+            entry["gap_pct"] = _spread([gap(runs, s) for s in paired])
+            hp = [s for s in paired if runs[s].get("final_val_loss_bf16_eval") is not None]
+            if hp:  # the same weights evaluated without FP8: the part of the gap the training made
+                entry["gap_bf16_eval_pct"] = _spread(
+                    [100 * (runs[s]["final_val_loss_bf16_eval"] / base[s]["final_val_loss"] - 1) for s in hp])
+            with_ao = [s for s in paired if s in ao]
+            if name != CONVERGENCE_TORCHAO and with_ao:
+                entry["minus_torchao_pp"] = _spread([gap(runs, s) - gap(ao, s) for s in with_ao])
+        worst = [w for w in (_most_underflow(runs[s].get("fp8_stats") or {}) for s in seeds) if w is not None]
+        if worst:
+            entry["most_underflow"] = {"mean_frac": statistics.fmean(v for v, _ in worst),
+                                       "where": statistics.mode(w for _, w in worst)}
+        if runs[seeds[0]].get("exclude") is not None:
+            entry["exclude"] = sorted({n for s in seeds for n in runs[s]["exclude"]})
+        out[name] = entry
+    return out
+
+
+def convergence_table(data: dict[str, Any], scenario: str) -> str:
+    """The table of one scenario of ``bench_convergence.py``'s result file (also printed by the script)."""
+    cfg = data["config"]
+    summary = convergence_summary(data, scenario)
+    plain = scenario == "plain"
+    headers = ["variant", "seeds", "final val loss (mean)", "gap to bf16 (mean ± std)", "gap per seed (min … max)",
+               "gap − torchao's (pp, mean)", "gap, evaluated in bf16 (mean)", "largest underflow fraction (where)"]
+    if plain:
+        headers.append("target (≤ 0.5 %, ≤ torchao + 0.2 pp)")
+    rows = []
+    for name, s in summary.items():
+        g, d, u, h = s.get("gap_pct"), s.get("minus_torchao_pp"), s.get("most_underflow"), s.get("gap_bf16_eval_pct")
+        row = [f"`{name}`", len(s["seeds"]), f"{s['final_val_loss']['mean']:.4f}",
+               f"{g['mean']:+.2f} % ± {g['std']:.2f}" if g else "reference",
+               f"{g['min']:+.2f} … {g['max']:+.2f} %" if g else "",
+               f"{d['mean']:+.2f}" if d else "",
+               f"{h['mean']:+.2f} %" if h else "",
+               f"{100 * u['mean_frac']:.1f} % ({u['where']})" if u else "n/a"]
+        if plain:
+            if name in CONVERGENCE_TARGET_RECIPES and g and d:
+                met = g["mean"] <= CONVERGENCE_TARGET_PCT and d["mean"] <= CONVERGENCE_TORCHAO_PP
+                row.append("met" if met else "**missed**")
+            else:
+                row.append("")
+        rows.append(row)
+    base = summary.get(CONVERGENCE_BASELINE)
+    spread = ""
+    if base:
+        b = base["final_val_loss"]
+        spread = (f" Seed-to-seed spread of bf16's final validation loss: std {100 * b['std'] / b['mean']:.2f} % of the "
+                  f"mean ({b['min']:.4f} … {b['max']:.4f}).")
+    tokens = cfg["seq_len"] * cfg["batch_size"]
+    what = (f"`ByteTransformerLM` of `examples/fp8_lm/train.py` (dim {cfg['dim']}, {cfg['n_layers']} blocks, "
+            f"{cfg['n_heads']} heads) on the standard library's source, {cfg['steps']} steps of {cfg['batch_size']} × "
+            f"{cfg['seq_len']} bytes ({tokens} tokens), AdamW lr {cfg['lr']:g} with {cfg['warmup_steps']} warm-up steps "
+            f"and cosine decay, gradient clipping {cfg['gradient_clip_val']:g}; each variant from the same initial weights "
+            f"on the same batches per seed. Final val loss: {cfg['val_windows']} validation windows after the last "
+            "step (FP8 variants evaluate in FP8; \"evaluated in bf16\": the same weights with `fp8_eval=False`, "
+            "what the training alone cost). Gap: per seed, (loss − bf16's loss) / bf16's loss, then the mean and "
+            "sample std over the seeds; positive is worse than bf16. `torchao`: `convert_to_float8_training`, "
+            f"`Float8LinearConfig(emulate=True)`, {cfg['torchao_recipe']}, under `bf16-mixed`.")
+    if not plain:
+        factor = cfg["outlier_factor"]
+        exp = math.log2(factor)
+        what += (f" Planted massive activations: the input tokens at positions {cfg['outlier_positions']} of "
+                 f"{', '.join(f'`{p}`' for p in cfg['outlier_layers'])} multiplied by 2^{exp:.0f} and the layer's output "
+                 "rows by its inverse (the identity in exact arithmetic and in bf16). `+exclude`: the `exclude` list of "
+                 f"`sensitivity_report` (tensorwise, {cfg['sensitivity_batches']} training batches of the initial model)")
+        excluded = summary.get("fp8-tensorwise+exclude", {}).get("exclude")
+        what += f": {', '.join(f'`{n}`' for n in excluded)}." if excluded else "."
+        same = [r.get("identical_to_plain") for r in data["scenarios"][scenario]["variants"].get(
+            CONVERGENCE_BASELINE, {}).values()]
+        if same and all(same):
+            what += (" `bf16` is the plain model's run of each seed: the planted model reproduces it bit for bit "
+                     f"(training losses equal on the {same[0]['checked_steps']} steps checked per seed).")
+    added = ""
+    for extra in data.get("additions", []):
+        names = sorted({v for vs in extra["variants"].values() for v in vs})
+        added += f" {', '.join(f'`{n}`' for n in names)} added {extra['date']} by `{extra['command']}`."
+    note = "FP8's numerics exactly (FP8 casts and scales, float32 accumulation); only the speed is not FP8's"
+    return (caption(data["environment"], data["command"], note) + "\n\n" + what + spread + added + "\n\n"
+            + table(headers, rows, right=1))
+
+
+def convergence_plain() -> str:
+    return convergence_table(load("convergence.json"), "plain")
+
+
+def convergence_outliers() -> str:
+    return convergence_table(load("convergence.json"), "outliers")
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "convergence.md": convergence_plain,
+    "convergence_outliers.md": convergence_outliers,
     "compare_example.md": compare_example,
     "linear_saved_bytes.md": linear_saved_bytes,
     "linear_step_time.md": linear_step_time,

@@ -544,6 +544,8 @@ SHELL_COMMANDS: dict[str, object] = {
     "python benchmarks/bench_linear.py --quick": Help(),
     "python benchmarks/bench_linear.py --small": Help(),
     "python benchmarks/bench_compare.py": Help(),
+    "python benchmarks/bench_convergence.py": Help(),
+    "python benchmarks/bench_convergence.py --recipes blockwise,mxfp8": Help(),
     # its --check mode runs in tests/test_doc_numbers.py
     "python benchmarks/docs_tables.py": Help(),
 }

@@ -48,9 +48,9 @@ def used_scales(monkeypatch):
     seen: list[torch.Tensor] = []
     original = cast_module.cast_with_statistics
 
-    def spy(x, scale, fp8_dtype):
+    def spy(x, scale, fp8_dtype, *args):
         seen.append(scale.detach().clone())
-        return original(x, scale, fp8_dtype)
+        return original(x, scale, fp8_dtype, *args)
 
     monkeypatch.setattr(cast_module, "cast_with_statistics", spy)
     return seen
