@@ -15,7 +15,9 @@ Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.js
 ``results/core_after.json`` (``bench_core.py`` on lightning-fp8 0.1 and on the core v2),
 ``results/core_instructions.json`` (callgrind counts of ``layer_overhead_workload.py``),
 ``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config),
-``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16).
+``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16),
+``results/llama.json`` (``bench_llama.py``: Llama-style decoder blocks under bf16, torchao and every recipe, eager
+and compiled).
 """
 
 from __future__ import annotations
@@ -460,6 +462,275 @@ def convergence_outliers() -> str:
     return convergence_table(load("convergence.json"), "outliers")
 
 
+# ---------------------------------------------------------------------------------------- bench_llama
+
+LLAMA_BF16, LLAMA_TORCHAO = "bf16", "torchao-tensorwise"
+#: Issue 11's targets: bytes saved for backward at most this times bf16's, for these recipes.
+LLAMA_SAVED_TARGET, LLAMA_SAVED_RECIPES = 0.55, ("tensorwise", "delayed", "rowwise")
+#: On an H100-class GPU, compiled, Llama3-8B-shaped blocks at 8192 tokens per step: at least this times bf16's tokens/s.
+LLAMA_GPU_SPEEDUP, LLAMA_GPU_SIZE = 1.3, "llama3-8b"
+
+
+def _llama_caption(data: dict[str, Any]) -> str:
+    note = ("no FP8 hardware: the FP8 GEMMs multiply FP8 values in float32 (ours) or dequantized values (torchao), so "
+            "the speed ratios show the cost of the emulation, not FP8 speed")
+    return caption(data["environment"], data["command"], note)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _llama_size_head(size: dict[str, Any]) -> str:
+    return (f"**{size['name']}**: {_plural(size['blocks'], 'block')}, hidden {size['hidden']}, FFN {size['ffn']}, "
+            f"{_plural(size['heads'], 'head')}, {_plural(size['kv_heads'], 'KV head')}, {size['batch']} × {size['seq']} = "
+            f"{size['tokens']} tokens per step")
+
+
+def _llama_kinds(data: dict[str, Any]) -> list[str]:
+    return list(data["config"]["kinds"])
+
+
+def _llama_ok(v: dict[str, Any] | None) -> bool:
+    return v is not None and "median_s" in v
+
+
+def _llama_status(v: dict[str, Any] | None) -> str:
+    if v is None:
+        return "not run"
+    return "not timed" if v["status"] == "measured" else v["status"]
+
+
+def _llama_ratio(variants: dict[str, Any], key: str, ref: str, field: str = "median_s") -> str:
+    a, b = variants.get(key), variants.get(ref)
+    if not (_llama_ok(a) and _llama_ok(b)) or a.get(field) is None or not b.get(field):
+        return "n/a"
+    return x(a[field] / b[field])
+
+
+def _ms_spread(v: dict[str, Any]) -> str:
+    med = v["median_s"]
+    return (f"{med * 1e3:.1f} ({100 * (v['fastest_s'] / med - 1):+.0f} % … "
+            f"{100 * (v['slowest_s'] / med - 1):+.0f} %)")
+
+
+def llama_step_time(data: dict[str, Any] | None = None) -> str:
+    data = data or load("llama.json")
+    cuda = "cuda" in data.get("device", "cpu")
+    out = [_llama_caption(data), "",
+           f"Training step (forward, backward, `AdamW(fused=True)` step; our recipes also roll the amax histories), "
+           f"{_plural(data['config']['reps'], 'step')} per variant after {_plural(data['config']['warmup'], 'warm-up step')}, "
+           "interleaved round-robin across all variants. ms: the median, in brackets the fastest and the slowest step "
+           "against it. Ratios of the medians, each mode against the same mode (eager against eager, compiled against "
+           "compiled); `(CPU time)`: the same ratio of the median process CPU times, steadier than wall time on a shared "
+           "machine; `compiled ÷ eager`: the same variant."
+           + (" MFU: model FLOPs per second over the GPU's dense peak (bf16 peak for bf16, FP8 peak for the FP8 "
+              "variants)." if cuda else "")]
+    for res in data["sizes"].values():
+        variants = res["variants"]
+        rows = []
+        for kind in _llama_kinds(data):
+            e, c = variants.get(kind), variants.get(kind + "+compile")
+            row = [e["name"] if e else kind]
+            for v, key, suffix in ((e, kind, ""), (c, kind + "+compile", "+compile")):
+                if _llama_ok(v):
+                    row += [_ms_spread(v), _llama_ratio(variants, key, LLAMA_BF16 + suffix),
+                            _llama_ratio(variants, key, LLAMA_TORCHAO + suffix),
+                            _llama_ratio(variants, key, LLAMA_TORCHAO + suffix, "cpu_s")]
+                else:
+                    row += [_llama_status(v), "", "", ""]
+            row.append(_llama_ratio(variants, kind + "+compile", kind))
+            if cuda:
+                for v in (e, c):
+                    row.append(f"{v['tokens_per_s']:,.0f}" if _llama_ok(v) else "")
+                for v in (e, c):
+                    row.append(f"{100 * v['mfu']:.1f} %" if _llama_ok(v) and v.get("mfu") is not None else "")
+            rows.append(row)
+        headers = ["variant", "eager: ms", "× bf16", "× torchao tensorwise", "(CPU time)", "compiled: ms",
+                   "× bf16 compiled", "× torchao tensorwise compiled", "(CPU time)", "compiled ÷ eager"]
+        if cuda:
+            headers += ["tokens/s eager", "tokens/s compiled", "MFU eager", "MFU compiled"]
+        out += ["", _llama_size_head(res["size"]) + ":", "", table(headers, rows)]
+    emulated = sorted({v["name"].replace(" + compile", "") for res in data["sizes"].values()
+                       for v in res["variants"].values() if v.get("gemm_path") == "emulated"})
+    if cuda and emulated:
+        out += ["", f"*Emulated FP8 GEMMs on this GPU: {', '.join(emulated)}.*"]
+    if cuda and data.get("peaks"):
+        out += ["", f"*Peaks for MFU: {data['peaks']['source']}.*"]
+    return "\n".join(out)
+
+
+def llama_memory(data: dict[str, Any] | None = None) -> str:
+    data = data or load("llama.json")
+    peak_source = next((v["peak_source"] for res in data["sizes"].values() for v in res["variants"].values()
+                        if "peak_source" in v), "")
+    what = ("Bytes saved for backward by one forward (`saved_tensors_hooks`, eager: a compiled graph chooses what it "
+            "saves itself; each storage once, parameters not counted): in all at this size, then split by a second "
+            "forward at twice the batch into the activations (the part that grows with the tokens; in all, and the "
+            "Linear layers' alone) and the part that does not (the weights' bf16 or FP8 copies). Peak memory: one "
+            f"training step, above its start after `zero_grad` ({peak_source}). Ratios to bf16 in the same mode. None "
+            "of these depends on the speed of the machine.")
+    out = [_llama_caption(data), "", what]
+
+    def mib(v: dict[str, Any] | None, field: str) -> str:
+        return f"{v[field] / 2**20:.2f}" if v and v.get(field) is not None else ""
+
+    def rel(v: dict[str, Any] | None, ref: dict[str, Any] | None, field: str) -> str:
+        if not v or not ref or v.get(field) is None or not ref.get(field):
+            return ""
+        return x(v[field] / ref[field])
+
+    for res in data["sizes"].values():
+        variants = res["variants"]
+        b, bc = variants.get(LLAMA_BF16), variants.get(LLAMA_BF16 + "+compile")
+        rows = []
+        for kind in _llama_kinds(data):
+            e, c = variants.get(kind), variants.get(kind + "+compile")
+            rows.append([e["name"] if e else kind, mib(e, "saved_bytes"), rel(e, b, "saved_bytes"),
+                         rel(e, b, "activation_bytes"), rel(e, b, "activation_bytes_linear"), rel(e, b, "fixed_bytes"),
+                         mib(e, "peak_bytes"), rel(e, b, "peak_bytes"),
+                         mib(c, "peak_bytes") or (_llama_status(c) if c else ""), rel(c, bc, "peak_bytes")])
+        out += ["", _llama_size_head(res["size"]) + ":", "",
+                table(["variant", "saved for backward: MiB", "× bf16", "activations × bf16",
+                       "Linear layers' activations × bf16", "weight copies × bf16", "peak, eager: MiB", "× bf16",
+                       "peak, compiled: MiB", "× bf16 compiled"], rows)]
+    return "\n".join(out)
+
+
+def _llama_syncs_only(data: dict[str, Any]) -> str:
+    parts = []
+    for res in data["sizes"].values():
+        rows = [[v["name"], v.get("syncs", ""), v.get("aten_ops", "")] for v in res["variants"].values()]
+        parts += ["", _llama_size_head(res["size"]) + ":", "",
+                  table(["variant", "host syncs / step", "aten ops / step"], rows)]
+    return "\n".join(parts)
+
+
+def llama_compile(data: dict[str, Any] | None = None) -> str:
+    data = data or load("llama.json")
+    backend = data["config"].get("compile_backend")
+    out = [_llama_caption(data), ""]
+    if not backend:
+        return "\n".join(out + ["`torch.compile` was not measured in this run (`--no-compile`); host syncs, eager:",
+                                _llama_syncs_only(data)])
+    out.append(f"Host syncs (`aten::_local_scalar_dense`, `aten::equal`) and aten ops dispatched in one profiled "
+               f"training step after the warm-up, eager and compiled (`torch.compile`, {backend}); the compiled "
+               "variants' time to compile (the first step; `(cached)`: inductor's or AOTAutograd's on-disk cache "
+               "served it, from an earlier run), the graphs and graph breaks of the warm-up steps, and the "
+               "recompilations (new graphs) and graph breaks in all steps after the warm-up."
+               + (" Synchronizing CUDA calls (`torch.cuda.set_sync_debug_mode`) in brackets."
+                  if "cuda" in data.get("device", "cpu") else ""))
+    for res in data["sizes"].values():
+        variants = res["variants"]
+        rows = []
+        for kind in _llama_kinds(data):
+            e, c = variants.get(kind), variants.get(kind + "+compile")
+
+            def syncs(v: dict[str, Any] | None) -> str:
+                if not v or v.get("syncs") is None:
+                    return ""
+                return str(v["syncs"]) + (f" ({v['cuda_syncs']})" if v.get("cuda_syncs") is not None else "")
+
+            row = [e["name"] if e else kind, syncs(e), syncs(c), e.get("aten_ops", "") if e else "",
+                   c.get("aten_ops", "") if c else ""]
+            if c and "first_step_s" in c:
+                cached = " (cached)" if c.get("compile_cache_hits") else ""
+                row += [f"{c['first_step_s']:.0f} s{cached}", c["graphs"], c["graph_breaks"],
+                        c.get("recompiles_after_warmup", "n/a"), c.get("graph_breaks_after_warmup", "n/a")]
+            else:
+                row += [_llama_status(c), "", "", "", ""]
+            rows.append(row)
+        out += ["", _llama_size_head(res["size"]) + ":", "",
+                table(["variant", "host syncs / step, eager", "compiled", "aten ops / step, eager", "compiled",
+                       "compile (first step)", "graphs (warm-up)", "graph breaks (warm-up)",
+                       "recompilations after warm-up", "graph breaks after warm-up"], rows)]
+    reasons = sorted({r for res in data["sizes"].values() for v in res["variants"].values()
+                      for r in v.get("graph_break_reasons", [])})
+    if reasons:
+        out += ["", "*Graph breaks: " + "; ".join(reasons) + ".*"]
+    return "\n".join(out)
+
+
+def llama_targets(data: dict[str, Any] | None = None) -> str:
+    """Issue 11's targets, each against this run's numbers: met, missed, or not measurable here."""
+    data = data or load("llama.json")
+    sizes = list(data["sizes"])
+    ours = [k for k in _llama_kinds(data) if k.startswith("ours-")]
+    compiled = bool(data["config"].get("compile_backend"))
+    cuda = "cuda" in data.get("device", "cpu")
+    rows = []
+
+    def verdict(ok: bool | None) -> str:
+        return "n/a" if ok is None else "met" if ok else "**missed**"
+
+    def cells(fn: Callable[[dict[str, Any]], tuple[str, bool | None]]) -> list[str]:
+        out = []
+        for name in sizes:
+            text, ok = fn(data["sizes"][name]["variants"])
+            out.append(f"{text}: {verdict(ok)}" if text else verdict(ok))
+        return out
+
+    for kind in ours if not cuda else []:
+        def speed(variants: dict[str, Any], kind: str = kind) -> tuple[str, bool | None]:
+            key, ref = kind + "+compile", LLAMA_TORCHAO + "+compile"
+            if not compiled or not (_llama_ok(variants.get(key)) and _llama_ok(variants.get(ref))):
+                return (_llama_status(variants.get(key)) if compiled else "not compiled"), None
+            r = variants[key]["median_s"] / variants[ref]["median_s"]
+            cpu = variants[key]["cpu_s"] / variants[ref]["cpu_s"]
+            return f"{x(r)} (CPU time {x(cpu)})", r <= 1.0
+
+        rows.append([f"CPU, compiled: `{kind[5:]}` step time ≤ torchao tensorwise compiled (emulated)", *cells(speed)])
+    for recipe in LLAMA_SAVED_RECIPES:
+        kind = f"ours-{recipe}"
+        for field, what in (("saved_bytes", "in all, at this size"), ("activation_bytes", "activations"),
+                            ("activation_bytes_linear", "the Linear layers' activations")):
+            def saved(variants: dict[str, Any], kind: str = kind, field: str = field) -> tuple[str, bool | None]:
+                v, b = variants.get(kind), variants.get(LLAMA_BF16)
+                if not v or not b or v.get(field) is None or not b.get(field):
+                    return "", None
+                r = v[field] / b[field]
+                return x(r), r <= LLAMA_SAVED_TARGET
+
+            rows.append([f"`{recipe}`: saved for backward, {what} ≤ {LLAMA_SAVED_TARGET:.2f} × bf16", *cells(saved)])
+
+    def worst(field: str, compiled_only: bool) -> Callable[[dict[str, Any]], tuple[str, bool | None]]:
+        def fn(variants: dict[str, Any]) -> tuple[str, bool | None]:
+            values = [v[field] for k, v in variants.items() if k.split("+")[0] in ours and v.get(field) is not None
+                      and (v["compiled"] or not compiled_only)]
+            if not values:
+                return "", None
+            return f"max {max(values)}", max(values) == 0
+        return fn
+
+    rows.append(["our recipes: host syncs per step = 0 (eager and compiled)", *cells(worst("syncs", False))])
+    if compiled:
+        rows.append(["our recipes, compiled: graph breaks = 0", *cells(worst("graph_breaks", True))])
+        rows.append(["our recipes, compiled: recompilations after warm-up = 0",
+                     *cells(worst("recompiles_after_warmup", True))])
+    gpu_note = ("not measured: no CUDA GPU in this run" if not cuda else
+                f"not measured: size {LLAMA_GPU_SIZE} not in this run" if LLAMA_GPU_SIZE not in data["sizes"] else "")
+    for target, ref, need in ((f"≥ {LLAMA_GPU_SPEEDUP} × bf16's tokens/s", LLAMA_BF16, LLAMA_GPU_SPEEDUP),
+                              ("tokens/s ≥ torchao tensorwise's", LLAMA_TORCHAO, 1.0)):
+        label = f"H100-class GPU, compiled, {LLAMA_GPU_SIZE} at 8192 tokens per step: `tensorwise` {target}"
+        if gpu_note:
+            rows.append([label, *([gpu_note] * len(sizes))])
+            continue
+        variants = data["sizes"][LLAMA_GPU_SIZE]["variants"]
+        a, b = variants.get("ours-tensorwise+compile"), variants.get(ref + "+compile")
+        cell = "n/a"
+        if _llama_ok(a) and _llama_ok(b):
+            r = a["tokens_per_s"] / b["tokens_per_s"]
+            cell = f"{x(r)}: {verdict(r >= need)}"
+        rows.append([label, *(cell if n == LLAMA_GPU_SIZE else "" for n in sizes)])
+    return "\n".join([_llama_caption(data), "", table(["target", *sizes], rows, right=1)])
+
+
+def llama_tables(data: dict[str, Any] | None = None) -> dict[str, str]:
+    """The four tables of ``bench_llama.py``'s result (printed by the script, written by this one)."""
+    return {"llama_step_time.md": llama_step_time(data), "llama_memory.md": llama_memory(data),
+            "llama_compile.md": llama_compile(data), "llama_targets.md": llama_targets(data)}
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "convergence.md": convergence_plain,
     "convergence_outliers.md": convergence_outliers,
@@ -474,6 +745,10 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "core_bookkeeping.md": core_bookkeeping,
     "core_step_time.md": core_step_time,
     "core_instructions.md": core_instructions,
+    "llama_step_time.md": llama_step_time,
+    "llama_memory.md": llama_memory,
+    "llama_compile.md": llama_compile,
+    "llama_targets.md": llama_targets,
 }
 
 

@@ -8,7 +8,9 @@ A benchmark script should read like the experiment it runs; what it needs around
 * :func:`interleaved`: times several variants in alternation (round-robin), so load drift on a shared
   machine hits all of them alike; reports the median and the fastest wall time and the process CPU time;
 * :func:`ratio`, :func:`markdown_table`, :func:`write_report`: numbers as ratios to a baseline from the same
-  run, a Markdown report and a JSON file with the raw numbers.
+  run, a Markdown report and a JSON file with the raw numbers;
+* what one step costs besides time: :func:`saved_tensor_bytes` (bytes saved for backward), :func:`profile_step`
+  (host syncs, aten ops and peak allocated bytes of one call), :func:`dynamo_counts` (graphs, graph breaks).
 
 Speed is only meaningful as a ratio measured in one run on one machine: never put a wall-clock number in
 a test.
@@ -23,8 +25,8 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -75,24 +77,36 @@ def git_revision(path: str) -> str:
         return "unknown"
 
 
-def environment() -> dict[str, str]:
-    """Machine and versions, for the top of every report."""
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``environment`` records them."""
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def environment(device: str = "cpu") -> dict[str, str]:
+    """Machine and versions, for the top of every report. For a CUDA ``device`` also the GPU (key ``device``), and
+    the GEMM path is that device's."""
     import lightning_fp8 as lf
 
     package = os.path.dirname(os.path.abspath(lf.__file__))
     describe = getattr(lf.gemm, "describe_gemm_path", lambda device: "")
+    gpu = {}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = {"device": f"{device}: {props.name}, compute capability {props.major}.{props.minor}, "
+                         f"{props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"}
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "cpu": cpu_model(),
         "cpu matrix flags": cpu_matrix_flags(),
         "cores": f"{os.cpu_count()} logical CPUs, torch uses {torch.get_num_threads()} threads",
-        "load average at start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "load average at start": load_average(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchao": package_version("torchao"),
         "lightning": package_version("lightning"),
         "lightning_fp8": f"{lf.__version__} from {package} (git {git_revision(package)})",
-        "GEMM path": f"{lf.gemm_path('cpu')}: {describe('cpu')}",
+        **gpu,
+        "GEMM path": f"{lf.gemm_path(device)}: {describe(device)}",
     }
 
 
@@ -104,6 +118,7 @@ class Timing:
     fastest: float
     cpu: float  #: median process CPU time per call (robust to other processes on the machine)
     calls: int
+    walls: list[float] = field(default_factory=list)  #: wall seconds per call of each round (the spread)
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int = 7, calls: int = 3, warmup: int = 2) -> dict[str, Timing]:
@@ -121,7 +136,8 @@ def interleaved(variants: dict[str, Callable[[], Any]], rounds: int = 7, calls: 
             wall[name].append((time.perf_counter() - t0) / calls)
             cpu[name].append((time.process_time() - c0) / calls)
     return {
-        name: Timing(statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name]), rounds * calls)
+        name: Timing(statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name]), rounds * calls,
+                     wall[name])
         for name in variants
     }
 
@@ -162,3 +178,126 @@ def write_report(title: str, env: dict[str, str], sections: Sequence[str], data:
         with open(out_json, "w") as f:
             json.dump({"environment": env, **data}, f, indent=2, default=lambda o: asdict(o))
     return text
+
+
+# ------------------------------------------------------------------------------ what one step costs besides time
+
+#: Ops that copy a device value to the host (``.item()``, ``bool(tensor)``, ``int(tensor)`` dispatch to the first).
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::equal")
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``; a tensor subclass (torchao's ``Float8TrainingTensor``) has those of its parts."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in storages(getattr(t, n))]
+    return [t.untyped_storage()]
+
+
+def saved_tensor_bytes(run: Callable[[], Any], params: Iterable[torch.Tensor],
+                       where: Callable[[], str] = lambda: "all") -> tuple[dict[str, int], Any]:
+    """Bytes saved for backward while ``run()`` executes (``torch.autograd.graph.saved_tensors_hooks``).
+
+    Each storage counts once; storages of ``params`` do not count (they are alive anyway). ``where()`` is asked at
+    each save and names the bucket the bytes go to (say, whether a Linear layer's forward is running). Returns the
+    bytes per bucket and what ``run`` returned (keep it alive for a backward, or drop it)."""
+    skip = {s.data_ptr() for p in params for s in storages(p)}
+    seen: set[int] = set()
+    buckets: dict[str, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for s in storages(t):
+            ptr = s.data_ptr()
+            if ptr in skip or ptr in seen:
+                continue
+            seen.add(ptr)
+            key = where()
+            buckets[key] = buckets.get(key, 0) + s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return buckets, out
+
+
+@dataclass
+class StepProfile:
+    """One profiled call."""
+
+    syncs: int  #: host syncs: :data:`SYNC_OPS` dispatched (nested ones once), not those inside a fused kernel
+    aten_ops: int  #: aten ops dispatched at the top level (an eager op count; compiled code dispatches few)
+    peak_bytes: int  #: peak bytes allocated above the call's start (CUDA caching allocator, or torch's CPU allocator)
+    peak_source: str  #: where ``peak_bytes`` comes from
+    cuda_syncs: int | None = None  #: synchronizing CUDA calls reported by ``torch.cuda.set_sync_debug_mode`` (CUDA only)
+    fused_kernel_reads: int = 0  #: :data:`SYNC_OPS` inside ``aten::_fused_*`` kernels (see :func:`profile_step`)
+
+
+def profile_step(fn: Callable[[], Any], device: str = "cpu") -> StepProfile:
+    """Run ``fn`` once under ``torch.profiler`` and count its host syncs and aten ops and its peak memory.
+
+    The profiler sees the aten ops that compiled code dispatches too (unlike a ``TorchDispatchMode``, under which
+    ``torch.compile`` runs the model eagerly). A sync op inside an ``aten::_fused_*`` kernel (the CPU kernel of
+    ``AdamW(fused=True)`` reads each parameter's step counter, a CPU tensor, with ``item()``; the CUDA kernel reads it
+    on the device) is counted apart, in ``fused_kernel_reads``. Peak memory: on CUDA ``torch.cuda.max_memory_allocated``
+    above the bytes allocated at the start; on a CPU the running sum of the profiler's allocation and free events of
+    torch's CPU allocator (tensors only: not the Python heap, not the process RSS)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    cuda_syncs = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda) as prof:
+        if cuda:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            cuda_syncs = sum("synchroniz" in str(w.message) for w in caught)
+            torch.cuda.synchronize(device)
+        else:
+            fn()
+    events = prof.events()
+    syncs = ops = fused = 0
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        ancestors = []
+        parent = e.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        ops += not any(a.startswith("aten::") for a in ancestors)
+        if e.name in SYNC_OPS and not any(a in SYNC_OPS for a in ancestors):
+            if any(a.startswith("aten::_fused_") for a in ancestors):
+                fused += 1
+            else:
+                syncs += 1
+    if cuda:
+        return StepProfile(syncs, ops, torch.cuda.max_memory_allocated(device) - base,
+                           "torch.cuda.max_memory_allocated", cuda_syncs, fused)
+    # every allocation and free, in order (the FunctionEvents fold those inside an op into the op)
+    memory = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in memory:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return StepProfile(syncs, ops, peak, "torch's CPU allocator, from the profiler's memory events", None, fused)
+
+
+def dynamo_counts() -> dict[str, int]:
+    """torch._dynamo's running totals: ``graphs`` compiled, ``graph_breaks``, ``frames`` compiled. Take the
+    difference of two calls around what you measure (a recompilation adds a graph)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "frames": counters["frames"].get("ok", 0)}

@@ -544,6 +544,10 @@ SHELL_COMMANDS: dict[str, object] = {
     "python benchmarks/bench_linear.py --quick": Help(),
     "python benchmarks/bench_linear.py --small": Help(),
     "python benchmarks/bench_compare.py": Help(),
+    # docs/benchmarks.md, "Llama-style blocks" (tests/test_bench_llama.py runs its measurement code on a tiny size)
+    "python benchmarks/bench_llama.py --threads 1": Help(),
+    "python benchmarks/bench_llama.py --large": Help(),
+    "python benchmarks/bench_llama.py --no-compile": Help(),
     "python benchmarks/bench_convergence.py": Help(),
     "python benchmarks/bench_convergence.py --recipes blockwise,mxfp8": Help(),
     # its --check mode runs in tests/test_doc_numbers.py

@@ -1,0 +1,138 @@
+"""benchmarks/bench_llama.py on its test size: the measurement code runs, and its result file has what the docs
+tables and the issue's targets need (no timing is asserted: speed is only reported, as a ratio)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_llama
+import docs_tables
+import harness
+
+KINDS = ("bf16", "torchao-tensorwise", "ours-tensorwise")
+COMPILED = ("ours-tensorwise",)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    """One run of the script's measurement code: test size, bf16, torchao and our tensorwise, eager, and ours compiled
+    with dynamo alone (``backend="eager"``: the graphs, graph breaks and recompilations without inductor's compile
+    time), written and read back as the script does. One thread: steadier on a loaded machine."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = bench_llama.run([bench_llama.SIZES["test"]], KINDS, device="cpu", compile_backend="eager", warmup=2,
+                               reps=2, log=lambda message: None, compile_kinds=COMPILED)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    path = tmp_path_factory.mktemp("llama") / "llama.json"
+    harness.write_result(str(path), harness.environment(), "python benchmarks/bench_llama.py --sizes test", **data)
+    return json.loads(path.read_text())
+
+
+def test_the_block_is_llama_shaped():
+    size = bench_llama.SIZES["llama3-8b"]
+    assert (size.hidden, size.ffn, size.heads, size.kv_heads, size.tokens) == (4096, 14336, 32, 8, 8192)
+    block = bench_llama.DecoderBlock(bench_llama.SIZES["test"])
+    linears = {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+    assert linears == {"attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                       "feed_forward.w2", "feed_forward.w3"}
+    assert sum(isinstance(m, nn.RMSNorm) for m in block.modules()) == 2
+    test = bench_llama.SIZES["test"]
+    stack = bench_llama.make_stack(test, "cpu")
+    assert sum(p.numel() for n, p in stack.named_parameters() if "norm" not in n) == test.linear_params
+
+
+def test_variants_share_the_weights_and_convert_every_linear():
+    base = bench_llama.make_stack(bench_llama.SIZES["test"], "cpu")
+    for kind in KINDS:
+        variant = bench_llama.build_variant(kind, base, "cpu", None)
+        assert all(p is q for p, q in zip(variant.model.parameters(), base.parameters(), strict=True)), kind
+        linears = [type(m).__name__ for m in variant.model.modules() if isinstance(m, nn.Linear)]
+        expected = {"bf16": "Linear", "torchao-tensorwise": "Float8Linear"}.get(kind, "FP8Linear")
+        assert linears == [expected] * 7, (kind, linears)
+
+
+def test_result_file_structure(result):
+    assert {"environment", "command", "device", "config", "peaks", "sizes", "load_average_end"} <= set(result)
+    assert result["environment"]["load average at start"]
+    variants = result["sizes"]["test"]["variants"]
+    assert set(variants) == set(KINDS) | {f"{k}+compile" for k in COMPILED}
+    for key, v in variants.items():
+        assert v["status"] == "measured", (key, v["status"])
+        assert len(v["times"]) == 2 and v["fastest_s"] <= v["median_s"] <= v["slowest_s"]
+        for field in ("syncs", "aten_ops", "peak_bytes", "tokens_per_s", "model_tflops", "mfu", "gemm_path"):
+            assert field in v, (key, field)
+        assert v["mfu"] is None  # no GPU peak on a CPU
+        assert v["peak_bytes"] > 0
+        if v["compiled"]:
+            for field in ("graphs", "graph_breaks", "recompiles_after_warmup", "graph_breaks_after_warmup"):
+                assert isinstance(v[field], int), (key, field)
+            assert v["first_step_s"] > 0
+        else:
+            for field in ("saved_bytes", "saved_bytes_linear", "activation_bytes", "activation_bytes_linear"):
+                assert v[field] > 0, (key, field)
+            assert v["fixed_bytes"] > 0 and v["fixed_bytes_linear"] >= 0  # torchao saves the weight itself
+
+
+def test_no_host_syncs_graph_breaks_or_recompilations(result):
+    """What is true of a step with ``AdamW(fused=True)``: no host sync for any variant (the CPU fused kernel's reads of
+    its step counters are counted apart: one per parameter), and one graph per compiled variant, no graph break, no
+    recompilation after the warm-up."""
+    params = 9  # 7 Linear weights and 2 RMSNorm weights
+    for key, v in result["sizes"]["test"]["variants"].items():
+        assert v["syncs"] == 0, key
+        assert v["fused_optimizer_reads"] == params, key
+        if v["compiled"]:
+            counts = (v["graphs"], v["graph_breaks"], v["recompiles_after_warmup"], v["graph_breaks_after_warmup"])
+            assert counts == (1, 0, 0, 0), key
+
+
+def test_saved_bytes_split(result):
+    """The split of the bytes saved for backward adds up; FP8 about halves what the Linear layers keep."""
+    variants = result["sizes"]["test"]["variants"]
+    for kind in KINDS:
+        v = variants[kind]
+        assert v["activation_bytes"] + v["fixed_bytes"] == v["saved_bytes"]
+        assert v["activation_bytes_linear"] + v["fixed_bytes_linear"] == v["saved_bytes_linear"]
+    bf16, ours = variants["bf16"], variants["ours-tensorwise"]
+    assert ours["activation_bytes_linear"] < 0.6 * bf16["activation_bytes_linear"]
+    assert ours["fixed_bytes"] < 0.6 * bf16["fixed_bytes"]  # FP8 weight copies against bf16 ones
+
+
+def test_docs_tables_render_the_result(result):
+    tables = docs_tables.llama_tables(result)
+    assert set(tables) == {"llama_step_time.md", "llama_memory.md", "llama_compile.md", "llama_targets.md"}
+    assert set(tables) <= set(docs_tables.RENDERERS)
+    for name, text in tables.items():
+        assert text.startswith("*Measured ") and "emulated" in text.splitlines()[0], name
+        assert "**test**" in text or name == "llama_targets.md", name
+    targets = tables["llama_targets.md"]
+    assert "no CUDA GPU in this run" in targets
+    assert "host syncs per step = 0 (eager and compiled) | max 0: met" in targets
+
+
+def test_plot_is_written(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plot.png"
+    bench_llama.plot(result, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_help_names_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        bench_llama.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--large", "--sizes", "--no-compile", "--compile-budget", "--reps", "--warmup", "--threads", "--json",
+                 "--plot", "--replot", "--peak-bf16-tflops", "--peak-fp8-tflops"):
+        assert flag in text, flag
