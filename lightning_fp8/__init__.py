@@ -11,6 +11,8 @@ Public API:
 * :func:`sensitivity_report`, :class:`FP8SensitivityCallback`: which layers should stay in high precision;
 * :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
   :func:`calibrate`: fill the ``delayed`` amax histories from a few batches before training;
+* :func:`prepare_for_sharding`: convert a model before FSDP2 / tensor parallelism shards it, with FP8 weight all-gather;
+  :class:`FP8ColwiseParallel`, :class:`FP8RowwiseParallel`: torch's tensor-parallel styles for FP8 layers;
 * :func:`fp8_state_dict`, :func:`load_fp8_state_dict`, :func:`roll_amax_history`: the device-side
   FP8 state of a model (:mod:`lightning_fp8.state`).
 """
@@ -18,6 +20,8 @@ Public API:
 from lightning_fp8.calibration import calibrate
 from lightning_fp8.callbacks import FP8StatsCallback
 from lightning_fp8.convert import ConversionReport, convert_from_fp8, convert_to_fp8
+from lightning_fp8.distributed import FP8ColwiseParallel, FP8RowwiseParallel
+from lightning_fp8.fabric import prepare_for_sharding
 from lightning_fp8.fallback import FP8FallbackCallback
 from lightning_fp8.gemm import gemm_path
 from lightning_fp8.linear import FP8Linear
@@ -32,9 +36,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConversionReport",
+    "FP8ColwiseParallel",
     "FP8FallbackCallback",
     "FP8Linear",
     "FP8Precision",
+    "FP8RowwiseParallel",
     "FP8Stats",
     "FP8StatsCallback",
     "FP8Recipe",
@@ -48,6 +54,7 @@ __all__ = [
     "gemm_path",
     "is_fp8_autocast_enabled",
     "load_fp8_state_dict",
+    "prepare_for_sharding",
     "roll_amax_history",
     "sensitivity_report",
 ]

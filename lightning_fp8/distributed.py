@@ -19,13 +19,22 @@ queued on the stream).
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from lightning_fp8.quantize import Quantized, quantize
+from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, amax_to_scale
 from lightning_fp8.state import FP8StateTable, state_tables
 
 #: How :func:`reduce_statistics` combines each entry across ranks.
@@ -96,3 +105,383 @@ def keep_fp8_state_local_under_ddp(model: nn.Module) -> list[str]:
         stacklevel=2,
     )
     return []
+
+
+# ---------------------------------------------------------------------------------------------------------- FSDP2
+# FP8 all-gather. FSDP2 (``torch.distributed.fsdp.fully_shard``) lets a parameter's local tensor choose what is
+# all-gathered through two methods, ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, as torchao's
+# ``WeightWithDynamicFloat8CastTensor`` does for its Float8Linear. torchao's class serves only torchao's layer (it hands
+# a ``Float8TrainingTensor`` to ``Float8Linear``), keeps no statistics and knows no ``delayed`` scaling, so the two
+# small subclasses below do the same for FP8Linear: each rank casts its shard with one scale shared by all ranks, the
+# FP8 bytes are gathered, and the layer receives the gathered FP8 weight through its weight provider seam.
+
+#: aten ops whose results stay FP8ShardedWeight: what FSDP2 does to a parameter when it shards it (pad, narrow, view,
+#: copy, move), and clone; every other op sees the plain high-precision tensor (optimizers, clipping, state dicts). Not ``split``
+#: (``torch.chunk``): tensor parallelism's ``distribute_tensor`` scatters the chunks through the process group, which
+#: needs plain tensors (:class:`FP8ColwiseParallel` / :class:`FP8RowwiseParallel` wrap the local piece again).
+_SHARD_OPS = {
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.narrow.default,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.clone.default,  # copy.deepcopy of a prepared model (weight averaging)
+}
+
+#: aten ops that keep an FP8GatheredWeight (what FSDP2 does to the gathered tensor to make the unsharded parameter).
+_GATHERED_OPS = {
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def _wrapper(cls: type, like: Tensor, dtype: torch.dtype, requires_grad: bool) -> Any:
+    return Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        cls,
+        like.size(),
+        strides=like.stride(),
+        storage_offset=like.storage_offset(),
+        dtype=dtype,
+        layout=like.layout,
+        device=like.device,
+        requires_grad=requires_grad,
+    )
+
+
+class FP8ShardedWeight(Tensor):
+    """A high-precision weight that FSDP2 all-gathers in FP8 (see :func:`prepare_for_sharding`).
+
+    It behaves as the float32 (or the parameter's own dtype) tensor it wraps for everything but FSDP2's all-gather:
+    the optimizer, gradient clipping and checkpoints see the high-precision values. Before each all-gather,
+    ``fsdp_pre_all_gather`` casts this rank's shard to FP8 with the layer's weight cast spec and a scale shared by all
+    ranks: for ``tensorwise`` the scale of the whole weight's amax (``scale = fp8_max / amax``), computed by
+    :func:`precompute_fp8_weight_scales` once per optimizer step for every such weight in one all-reduce; for
+    ``delayed`` the amax history's scale, identical on every rank (the histories are reduced before they roll), or
+    the same whole-weight scale while the history is empty. The shard's statistics (amax, counters) travel with it and
+    are recorded by the layer's forward. ``fsdp_post_all_gather`` returns an :class:`FP8GatheredWeight`.
+    """
+
+    _tensor: Tensor
+    _scale: Tensor
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, scale: Tensor | None = None) -> FP8ShardedWeight:  # noqa: D102
+        return _wrapper(cls, tensor, tensor.dtype, tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor, scale: Tensor | None = None) -> None:
+        self._tensor = tensor
+        # one float32 scalar shared by every view of this weight (FSDP's padded shard and its narrowed local view)
+        self._scale = scale if scale is not None else torch.ones((), dtype=torch.float32, device=tensor.device)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"FP8ShardedWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        scale = None
+
+        def unwrap(t: FP8ShardedWeight) -> Tensor:
+            nonlocal scale
+            scale = t._scale if scale is None else scale
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(FP8ShardedWeight, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _SHARD_OPS:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: FP8ShardedWeight(t, scale), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_tensor", "_scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: Any, outer_size: Any, outer_stride: Any) -> FP8ShardedWeight:
+        return FP8ShardedWeight(inner["_tensor"], inner["_scale"])
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[Tensor, ...], Any]:
+        """Cast this rank's shard to FP8 (see the class docstring); FP8 bytes travel as ``uint8`` (every backend has
+        it), padded to FSDP's shard size."""
+        table, index = module.fp8_state.table, module.fp8_state.index  # type: ignore[union-attr]
+        spec = table.specs.forward[WEIGHT]
+        scale = self._scale
+        if spec.scale_source == "history":
+            scale = torch.where(table.initialized[index, WEIGHT], table.role_scale[WEIGHT][index], scale)
+        with torch.no_grad():
+            q = quantize(self._tensor, spec, scale=scale)
+        data = q.data
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first one's rows
+        if data.size(0) != rows:
+            padded = data.new_zeros((rows, *data.shape[1:]))
+            padded[: data.size(0)].copy_(data)
+            data = padded
+        return (data.view(torch.uint8),), (spec.dtype, q.scale, q.stats)
+
+    def fsdp_post_all_gather(
+        self, outputs: tuple[Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: Tensor | None = None
+    ) -> Any:
+        """Wrap the gathered FP8 bytes as the unsharded weight (an :class:`FP8GatheredWeight` of ``param_dtype``)."""
+        (data,) = outputs
+        dtype, scale, stats = metadata
+        if out is not None:  # FSDP2 re-gathered into the same storage
+            gathered = out._local_tensor if isinstance(out, DTensor) else out
+            gathered._scale, gathered._stats = scale, stats
+            return None
+        return FP8GatheredWeight(data.view(dtype), scale, stats, param_dtype), (data,)
+
+
+class FP8GatheredWeight(Tensor):
+    """The unsharded weight FSDP2 hands to an FP8 layer after an FP8 all-gather: FP8 data and the shared scale,
+    presented as a tensor of the parameter's dtype (so that its gradient has that dtype).
+
+    FP8Linear takes ``_data`` and ``_scale`` as its FP8 weight (the weight provider seam). Any other use computes with
+    the dequantized weight, ``data / scale`` in the parameter's dtype (the high-precision weight is never gathered):
+    an FP8 layer outside an FP8 region, or one switched to high precision.
+    """
+
+    _data: Tensor
+    _scale: Tensor
+    _stats: Any
+
+    @staticmethod
+    def __new__(cls, data: Tensor, scale: Tensor, stats: Any, dtype: torch.dtype) -> FP8GatheredWeight:  # noqa: D102
+        return _wrapper(cls, data, dtype, False)
+
+    def __init__(self, data: Tensor, scale: Tensor, stats: Any, dtype: torch.dtype) -> None:
+        self._data, self._scale, self._stats = data, scale, stats
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, scale={self._scale!r})"
+
+    def dequantize(self) -> Tensor:
+        """``data / scale`` in the tensor's dtype."""
+        return (self._data.to(torch.float32) / self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _GATHERED_OPS:
+            w = args[0]
+            return FP8GatheredWeight(func(w._data, *args[1:], **(kwargs or {})), w._scale, w._stats, w.dtype)
+        args, kwargs = pytree.tree_map_only(FP8GatheredWeight, FP8GatheredWeight.dequantize, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype]]:
+        return ["_data", "_scale"], (self.dtype,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: Any, outer_size: Any, outer_stride: Any) -> FP8GatheredWeight:
+        return FP8GatheredWeight(inner["_data"], inner["_scale"], None, meta[0])
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def gathered_weight(layer: nn.Module, spec: CastSpec, history: tuple[Tensor, Tensor] | None) -> Quantized | None:
+    """The weight provider of layers prepared for FP8 all-gather: the gathered FP8 weight when the layer's weight is
+    one and ``spec`` is the cast it was gathered with; ``None`` otherwise (the layer quantizes its weight itself).
+
+    The shard's statistics are handed over once per optimizer step (a later micro-batch's gather repeats them)."""
+    weight = _local(layer.weight)
+    if not isinstance(weight, FP8GatheredWeight) or spec.granularity != "tensor" or spec.dtype != weight._data.dtype:
+        return None
+    table = layer.fp8_state.table  # type: ignore[union-attr]
+    stats = weight._stats
+    if stats is not None and layer.__dict__.get("_fp8_gather_generation") == (id(table), table.generation):
+        stats = None
+    elif stats is not None:
+        layer.__dict__["_fp8_gather_generation"] = (id(table), table.generation)
+    return Quantized(weight._data, weight._scale, stats)
+
+
+def gathers_fp8(recipe: FP8Recipe) -> bool:
+    """Whether FSDP2 gathers the weights of ``recipe`` in FP8: per-tensor weight scales (``tensorwise``,
+    ``delayed``) whose forward cast is also the backward's. Row- and block-scaled weights are cast along each GEMM's
+    own reduction dimension (two different casts of the weight, each needing the whole weight's rows or blocks), so
+    FSDP2 gathers them in the parameter dtype and each layer casts the gathered weight."""
+    specs = recipe.cast_specs()
+    return specs.forward[WEIGHT].granularity == "tensor" and specs.weight_reused
+
+
+def _unwrap_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """State-dict post hook: the weight is saved as the plain high-precision tensor (a DTensor of it when sharded),
+    so checkpoints never hold the subclass and load into any model."""
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, FP8ShardedWeight):
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    elif isinstance(value, FP8ShardedWeight):
+        state_dict[key] = value._tensor
+
+
+def enable_fp8_all_gather(module: nn.Module) -> list[str]:
+    """Give every FP8 layer of ``module`` whose recipe :func:`gathers_fp8` an :class:`FP8ShardedWeight` weight (the
+    same values, a new Parameter) and the :func:`gathered_weight` provider. Call before ``fully_shard`` (FSDP2 looks
+    at the weights when it shards them) and before creating the optimizer. Returns the names of those layers
+    (the ones already prepared included)."""
+    from lightning_fp8.state import fp8_layers
+
+    names = []
+    for name, layer in fp8_layers(module):
+        if not isinstance(layer, nn.Linear) or not gathers_fp8(layer.fp8_recipe):  # type: ignore[attr-defined]
+            continue
+        names.append(name)
+        if isinstance(_local(layer.weight), FP8ShardedWeight):
+            continue
+        if isinstance(layer.weight, DTensor):
+            raise ValueError(
+                f"layer {name!r} is sharded already: prepare the model for FP8 all-gather before fully_shard / "
+                "parallelize_module (lightning_fp8.prepare_for_sharding at the top of configure_model)"
+            )
+        weight = layer.weight
+        layer.weight = nn.Parameter(FP8ShardedWeight(weight.data), requires_grad=weight.requires_grad)
+        layer.weight_provider = gathered_weight  # type: ignore[attr-defined]
+        layer.register_state_dict_post_hook(_unwrap_state_dict)
+    return names
+
+
+def fp8_all_gather_weights(module: nn.Module) -> list[Tensor]:
+    """The local :class:`FP8ShardedWeight` shards of ``module``'s FP8 layers (``[]`` when none gathers in FP8)."""
+    from lightning_fp8.state import fp8_layers
+
+    return [w for _, layer in fp8_layers(module) if isinstance(w := _local(getattr(layer, "weight", None)), FP8ShardedWeight)]
+
+
+@torch.no_grad()
+def precompute_fp8_weight_scales(weights: list[Tensor], specs: list[CastSpec], group: dist.ProcessGroup | None = None) -> None:
+    """The whole-weight scales of FP8 all-gather weights (``weights``: their local :class:`FP8ShardedWeight` shards,
+    ``specs``: each one's weight cast spec), in one all-reduce for all of them: ``amax`` = MAX over ranks of each
+    shard's ``max |w|``, ``scale = amax_to_scale(amax)`` (the ``tensorwise`` formula). The plugin calls it before the
+    first forward after each optimizer step; every rank must call it (it is a collective)."""
+    if not weights:
+        return
+    amax = torch.stack(torch._foreach_norm([w._tensor for w in weights], math.inf)).to(torch.float32)
+    if world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    fp8_max = torch.tensor([s.fp8_max for s in specs], dtype=torch.float64, device=amax.device)
+    margin = {s.margin for s in specs}
+    power_of_2 = {s.power_of_2 for s in specs}
+    if len(margin) == 1 and len(power_of_2) == 1:
+        scales = amax_to_scale(amax, fp8_max, margin.pop(), power_of_2.pop())
+    else:  # recipes with different settings in one model: one formula call each
+        scales = torch.stack([amax_to_scale(a, s.fp8_max, s.margin, s.power_of_2) for a, s in zip(amax, specs)])
+    torch._foreach_copy_([w._scale for w in weights], list(scales.unbind()))
+
+
+# ------------------------------------------------------------------------------------------------ tensor parallel
+# torchao's Float8ColwiseParallel / Float8RowwiseParallel accept only torchao's Float8Linear (they raise for any other
+# module), so FP8Linear handles tensor parallelism itself: torch's own ColwiseParallel / RowwiseParallel (and
+# SequenceParallel around them) shard an FP8Linear's parameters as DTensors and hand it DTensor inputs; the layer then
+# computes its three GEMMs on the local pieces, with every scale agreed across the tensor-parallel group.
+
+
+def _all_reduce_max(amax: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """MAX of ``amax`` over ``group`` (a functional collective: traceable by ``torch.compile``; no host sync)."""
+    return funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+
+
+class TensorParallelLayout:
+    """How an FP8Linear is split across a 1-D tensor-parallel mesh, from its weight's placement: ``"colwise"``
+    (weight ``Shard(0)``: each rank holds some output features; input replicated, output sharded on its last dim) or
+    ``"rowwise"`` (weight ``Shard(1)``: some input features; input sharded on its last dim, output a partial sum).
+
+    Which dimension of each 2-D local operand is sharded (``x`` (M, K), ``weight`` (N, K), ``grad_output`` (M, N))::
+
+        colwise: x none, weight 0 (N), grad_output 1 (N)
+        rowwise: x 1 (K), weight 1 (K), grad_output none
+
+    A cast needs the whole tensor's amaxes where its scale spans the sharded dimension: a per-tensor scale of a
+    sharded operand, a row scale computed along the sharded dimension; those amaxes are MAX-reduced over the group
+    (:meth:`amax_reduce`), so that every rank casts its piece exactly as the unsharded layer casts that piece. A block
+    scale never spans ranks when the local size along the sharded dimension is a multiple of the block (else an error
+    names the sizes).
+    """
+
+    _SHARDED = {"colwise": {INPUT: None, WEIGHT: 0, GRAD_OUTPUT: 1}, "rowwise": {INPUT: 1, WEIGHT: 1, GRAD_OUTPUT: None}}
+
+    def __init__(self, style: str, mesh: Any) -> None:
+        self.style = style
+        self.mesh = mesh
+        self.group = mesh.get_group()
+
+    def amax_reduce(self, spec: CastSpec, x: Tensor) -> Callable[[Tensor], Tensor] | None:
+        """The amax reduction the cast ``spec`` of the local 2-D piece ``x`` needs (``None``: the local amaxes are the
+        whole tensor's)."""
+        dim = self._SHARDED[self.style][spec.role]
+        if dim is None:
+            return None
+        if spec.granularity == "row" and (spec.axis or 0) % 2 != dim:
+            return None
+        if spec.granularity == "block":
+            assert spec.block is not None
+            if spec.block[dim] > 1 and x.shape[dim] % spec.block[dim]:
+                raise ValueError(
+                    f"tensor parallel ({self.style}): each rank's {x.shape[dim]} {'rows' if dim == 0 else 'columns'} "
+                    f"are not a multiple of the recipe's {spec.block[dim]}-element blocks, so blocks would span ranks; "
+                    "choose features whose per-rank share is a multiple of the block size."
+                )
+            return None
+        return functools.partial(_all_reduce_max, group=self.group)
+
+
+def tensor_parallel_layout(weight: Tensor) -> TensorParallelLayout | None:
+    """The :class:`TensorParallelLayout` of a DTensor weight (``None`` for a plain tensor).
+
+    Raises:
+        ValueError: for a placement torch's column-wise / row-wise styles do not produce (a weight replicated, or a
+            mesh of more than one dimension: FSDP2 shards on its own mesh dimension and gathers before the forward).
+    """
+    if not isinstance(weight, DTensor):
+        return None
+    placements = weight.placements
+    if weight.device_mesh.ndim == 1 and isinstance(placements[0], Shard) and placements[0].dim in (0, 1):
+        return TensorParallelLayout("colwise" if placements[0].dim == 0 else "rowwise", weight.device_mesh)
+    raise ValueError(
+        f"FP8Linear supports tensor-parallel weights sharded column-wise (Shard(0)) or row-wise (Shard(1)) on a 1-D "
+        f"mesh (torch's ColwiseParallel / RowwiseParallel); got placements {placements} on a {weight.device_mesh.ndim}-D "
+        "mesh."
+    )
+
+
+class _KeepFP8AllGather:
+    """Mixin of the FP8 styles: shard the weight as the torch style does, then wrap the local piece as an
+    :class:`FP8ShardedWeight` again (FSDP2 then gathers it in FP8 on the data-parallel mesh)."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        weight = module.weight
+        wrapped = isinstance(weight, FP8ShardedWeight)
+        if wrapped:
+            module.weight = nn.Parameter(weight._tensor, requires_grad=weight.requires_grad)
+        super()._partition_linear_fn(name, module, device_mesh)  # type: ignore[misc]
+        if wrapped:
+            sharded = module.weight
+            local = FP8ShardedWeight(sharded._local_tensor)
+            module.weight = nn.Parameter(
+                DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False, shape=sharded.shape, stride=sharded.stride()),
+                requires_grad=sharded.requires_grad,
+            )
+
+
+class FP8ColwiseParallel(_KeepFP8AllGather, ColwiseParallel):
+    """torch's ``ColwiseParallel`` for FP8 layers prepared by :func:`~lightning_fp8.prepare_for_sharding`: the same
+    sharding and layouts (all its arguments), and the weight keeps its FP8 all-gather under FSDP2. torch's own style
+    works on FP8Linear too, but its weights then gather in high precision (the plugin warns). The layer computes on its
+    local pieces with scales agreed across the group (:class:`TensorParallelLayout`); an input sharded on the sequence
+    (``input_layouts=Shard(1)``, sequence parallelism) is all-gathered in high precision before the FP8 cast.
+    (torchao's ``Float8ColwiseParallel`` accepts only torchao's ``Float8Linear``.)"""
+
+
+class FP8RowwiseParallel(_KeepFP8AllGather, RowwiseParallel):
+    """torch's ``RowwiseParallel`` for FP8 layers prepared by :func:`~lightning_fp8.prepare_for_sharding` (see
+    :class:`FP8ColwiseParallel`): the output is a partial sum, reduced (or reduce-scattered to ``output_layouts``) by the
+    style in high precision."""

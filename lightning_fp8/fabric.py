@@ -67,17 +67,26 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_fp8 import gemm
 from lightning_fp8.convert import ConversionReport, check_exclude, convert_from_fp8, convert_to_fp8, exact_pattern
-from lightning_fp8.distributed import all_reduce_pending_amax, world_size
+from lightning_fp8.distributed import (
+    FP8ShardedWeight,
+    _local,
+    all_reduce_pending_amax,
+    enable_fp8_all_gather,
+    gathers_fp8,
+    precompute_fp8_weight_scales,
+    world_size,
+)
 from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss_scaling
 from lightning_fp8.module import FP8Module
-from lightning_fp8.recipe import FP8Recipe, RecipeName
+from lightning_fp8.recipe import WEIGHT, FP8Recipe, RecipeName
 from lightning_fp8.region import fp8_region
-from lightning_fp8.state import FP8StateTable, fp8_state_dict, load_fp8_state_dict, state_tables
+from lightning_fp8.state import FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +106,45 @@ def plugin_of(model: nn.Module) -> FP8PrecisionBase | None:
         if plugin is not None and any(id(table) in tables for table in plugin._tables):
             return plugin
     return None
+
+
+def prepare_for_sharding(
+    module: nn.Module, plugin: FP8PrecisionBase | None = None, *, fp8_all_gather: bool = True
+) -> list[str]:
+    """Make ``module`` ready to be sharded with FSDP2 / tensor parallelism under an FP8 plugin: convert its layers to FP8
+    with the plugin's settings, and give the FP8 layers whose recipe gathers in FP8 (``tensorwise``, ``delayed``) a
+    weight that FSDP2 all-gathers in FP8 (:class:`~lightning_fp8.distributed.FP8ShardedWeight`). Returns the names of
+    those layers (``[]`` with ``fp8_all_gather=False``: FSDP2 then gathers every weight in the parameter dtype, or
+    ``MixedPrecisionPolicy.param_dtype``, and each layer casts the gathered weight).
+
+    Call it before ``fully_shard`` / ``parallelize_module``, and before creating the optimizer:
+
+    * Trainer with ``ModelParallelStrategy``: first thing in ``LightningModule.configure_model`` (Lightning calls
+      ``configure_model`` before the plugin's ``convert_module``, which then finds the layers converted and only checks
+      them);
+    * Fabric with ``ModelParallelStrategy``: first thing in the ``parallelize_fn`` (Fabric converted the model already).
+
+    Idempotent. ``plugin``: the FP8 plugin; by default the Trainer's (``module.trainer.precision_plugin``) or the one
+    that converted ``module`` (Fabric).
+
+    Raises:
+        ValueError: if no FP8 plugin is given or found, or if ``module`` is sharded already.
+    """
+    if plugin is None:
+        trainer = getattr(module, "_trainer", None)
+        plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
+        if not isinstance(plugin, FP8PrecisionBase):
+            plugin = plugin_of(module)
+    if not isinstance(plugin, FP8PrecisionBase):
+        raise ValueError(
+            "prepare_for_sharding found no FP8 plugin for this model: call it inside configure_model of a LightningModule "
+            "attached to a Trainer with plugins=[FP8Precision()], or pass plugin=<the FP8Precision>."
+        )
+    plugin.convert_module(module)
+    if not fp8_all_gather:
+        plugin._fp8_all_gather_declined = True
+        return []
+    return enable_fp8_all_gather(module)
 
 
 class FP8PrecisionBase(Precision):
@@ -225,6 +273,10 @@ class FP8PrecisionBase(Precision):
         self._exclude_checked = 0
         self.high_precision_layers: dict[str, str] = {}
         self._switch_pending = False  # names in high_precision_layers whose FP8 layers are not switched yet
+        self._warned_unprepared = False
+        self._fp8_all_gather_declined = False  # prepare_for_sharding(fp8_all_gather=False): no warning
+        self._gather_layers: list[nn.Module] | None = None  # layers whose weights FSDP2 gathers in FP8 (lazily)
+        self._gather_scales_stale = True
         _PLUGINS[:] = [ref for ref in _PLUGINS if ref() is not None]
         _PLUGINS.append(weakref.ref(self))
 
@@ -319,6 +371,8 @@ class FP8PrecisionBase(Precision):
         for name, reason in self.high_precision_layers.items():
             if name in report.skipped and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
                 report.skipped[name] = reason
+        self._converted_after_sharding(module, report)
+        self._gather_layers, self._gather_scales_stale = None, True
         if not report.fp8_layers:
             # Fabric may set up a model with nothing to convert next to FP8 ones (a conv discriminator, a frozen
             # teacher): it runs in compute_dtype. With no FP8 model at all, the first forward raises (announce).
@@ -328,6 +382,8 @@ class FP8PrecisionBase(Precision):
         known = next((i for i, m in enumerate(self.fp8_models) if m is module), None)
         if known is not None:
             self.reports[known] = report
+            for param in module.parameters():  # sharding replaced them since the first conversion
+                self._param_owner.setdefault(id(param), known)
         else:
             self.fp8_models.append(module)
             self.reports.append(report)
@@ -383,6 +439,12 @@ class FP8PrecisionBase(Precision):
         for model, report in zip(self.fp8_models, self.reports):
             for name, child in model.named_modules():
                 if name in self.high_precision_layers and isinstance(child, FP8Module):
+                    if isinstance(_local(getattr(child, "weight", None)), FP8ShardedWeight):
+                        rank_zero_warn(
+                            f"FP8Precision: layer {name!r} switches to high precision, but FSDP2 gathers its weight in "
+                            "FP8 (the all-gather's dtype is fixed when it first runs): it computes in high precision "
+                            "from the dequantized FP8 weight."
+                        )
                     convert_from_fp8(child)
                     switched.append(name)
             for name, reason in self.high_precision_layers.items():  # a layer shared by two models is in both reports
@@ -393,16 +455,68 @@ class FP8PrecisionBase(Precision):
         return switched
 
     def _check_strategy(self, module: nn.Module | None) -> None:
-        """Refuse sharded modules (FSDP, FSDP2 / DTensor parameters), which this plugin cannot serve yet."""
+        """Sharded models: refuse FSDP1 (``FullyShardedDataParallel``, see the error); under FSDP2 / DTensor
+        (``ModelParallelStrategy``) mark the sharded FP8 layers (their weights are not cast once per step and kept: the
+        kept FP8 copy of a whole weight would undo the sharding), and warn once when layers that could gather their
+        weights in FP8 gather them in high precision (the model was not prepared with :func:`prepare_for_sharding`)."""
         if module is None:
             return
-        if any(type(p).__name__ == "DTensor" for p in module.parameters()) or any(
-            "FullyShardedDataParallel" in type(m).__name__ or type(m).__name__.startswith("FSDP") for m in module.modules()
-        ):
+        if any("FullyShardedDataParallel" in type(m).__name__ for m in module.modules()):
             raise ValueError(
-                "FP8Precision supports single-device and DDP training; FSDP / FSDP2 (sharded parameters) is not "
-                "supported yet."
+                "FP8Precision does not support FSDP1 (FullyShardedDataParallel, strategy='fsdp'): shard with FSDP2 "
+                "through ModelParallelStrategy instead (fully_shard in configure_model, after "
+                "lightning_fp8.prepare_for_sharding(self)); see the distributed page of the docs."
             )
+        unprepared = []
+        for name, layer in fp8_layers(module):
+            if any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
+                layer._fp8_sharded = True  # type: ignore[assignment]
+                weight = getattr(layer, "weight", None)
+                if not isinstance(_local(weight), FP8ShardedWeight) and gathers_fp8(layer.fp8_recipe):  # type: ignore[arg-type]
+                    unprepared.append(name)
+        if unprepared and not self._warned_unprepared and not self._fp8_all_gather_declined:
+            self._warned_unprepared = True
+            rank_zero_warn(
+                f"FP8Precision: {len(unprepared)} sharded FP8 layer(s) ({', '.join(unprepared[:3])}"
+                f"{', ...' if len(unprepared) > 3 else ''}) gather their weights in high precision. To gather them in "
+                "FP8: call lightning_fp8.prepare_for_sharding(model) before sharding (Trainer: at the top of "
+                "configure_model; Fabric: of the parallelize_fn), and shard FP8 layers for tensor parallelism with "
+                "lightning_fp8.FP8ColwiseParallel / FP8RowwiseParallel (torch's styles drop the FP8 all-gather)."
+            )
+
+    def _converted_after_sharding(self, module: nn.Module, report: ConversionReport) -> None:
+        """Layers must become FP8 before the model is sharded (FSDP2 wraps each sharded module in a new class and
+        decides at sharding time how each weight is gathered): raise when ``convert_module`` finds a sharded model
+        with layers still to convert."""
+        if not any(isinstance(p, DTensor) for p in module.parameters()):
+            return
+        late = list(report.converted) + [
+            n for n, why in report.skipped.items() if type(module.get_submodule(n)).__name__.startswith("FSDP") and "subclass" in why
+        ]
+        if late:
+            raise ValueError(
+                f"FP8Precision: the model was sharded (fully_shard / parallelize_module) before its layers were converted "
+                f"to FP8 ({', '.join(late[:3])}{', ...' if len(late) > 3 else ''}). Call "
+                "lightning_fp8.prepare_for_sharding(self) at the top of LightningModule.configure_model (Fabric: of the "
+                "ModelParallelStrategy parallelize_fn), before sharding."
+            )
+
+    # ------------------------------------------------------------------ FSDP2 FP8 all-gather
+    def _precompute_gather_scales(self) -> None:
+        """Before the first forward after an optimizer step (or a set-up, or a restore): the whole-weight scales of the
+        weights FSDP2 gathers in FP8, one all-reduce for all of them (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`)."""
+        if not self._gather_scales_stale:
+            return
+        self._gather_scales_stale = False
+        if self._gather_layers is None:
+            self._gather_layers = [
+                layer for m in self.fp8_models for _, layer in fp8_layers(m) if isinstance(_local(getattr(layer, "weight", None)), FP8ShardedWeight)
+            ]
+        if not self._gather_layers:
+            return
+        weights = [_local(layer.weight) for layer in self._gather_layers]
+        specs = [layer.fp8_state.table.specs.forward[WEIGHT] for layer in self._gather_layers]
+        precompute_fp8_weight_scales(weights, specs)
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
@@ -487,6 +601,7 @@ class FP8PrecisionBase(Precision):
             return nullcontext()  # not set up yet
         self._switch_kept_layers()  # one flag test, unless a layer is waiting to be switched
         self.announce()
+        self._precompute_gather_scales()  # one flag test, except on the first forward after an optimizer step
         stack = ExitStack()
         stack.enter_context(torch.autocast(self._device().type, dtype=self.compute_dtype))
         stack.enter_context(fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval))
@@ -554,6 +669,7 @@ class FP8PrecisionBase(Precision):
         all_reduce_pending_amax(tables)
         for table in tables:
             table.roll()
+        self._gather_scales_stale = True  # the weights changed
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -635,6 +751,7 @@ class FP8PrecisionBase(Precision):
         # rank saved and one rank loads. Otherwise each rank restarts its counters from zero instead of counting
         # the saving rank twice, or losing the others (FP8Stats takes a new baseline from them).
         self._restore_counters = state_dict.get("world_size", 1) == 1 and world_size() == 1
+        self._gather_scales_stale = True  # restored weights may come with the state
         kept = state_dict.get("high_precision_layers") or {}
         if kept:
             self.high_precision_layers.update(kept)

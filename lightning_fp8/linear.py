@@ -42,8 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_fp8 import gemm
+from lightning_fp8.distributed import TensorParallelLayout, tensor_parallel_layout
 from lightning_fp8.module import FP8Module
 from lightning_fp8.quantize import Quantized, quantize
 from lightning_fp8.recipe import E4M3, E5M2, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
@@ -73,6 +75,7 @@ class _LinearCall:
     specs: LinearCastSpecs
     decision: ForwardDecision
     out_dtype: torch.dtype
+    tp: TensorParallelLayout | None = None  #: tensor parallelism: the layer computes on local pieces
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views)."""
@@ -82,7 +85,8 @@ class _LinearCall:
         if spec.scale_source == "history" and history is None:
             history = self.history(spec.role)
         scale, ready = history if history is not None else (None, None)
-        q = quantize(x, spec, statistics=record, history_scale=scale, history_ready=ready)
+        reduce = self.tp.amax_reduce(spec, x) if self.tp is not None else None
+        q = quantize(x, spec, statistics=record, history_scale=scale, history_ready=ready, amax_reduce=reduce)
         self.record(spec.role, q)
         return q
 
@@ -97,7 +101,7 @@ class _LinearCall:
         if provided is None:
             # kept only under a precision plugin (which rolls once per optimizer step), never under compile (the graph
             # fuses the cast) nor inference_mode (an inference tensor must not reach a later autograd forward)
-            keep = CACHE_WEIGHT_CASTS and self.decision.keep_weight_cast
+            keep = CACHE_WEIGHT_CASTS and self.decision.keep_weight_cast and not self.layer._fp8_sharded and self.tp is None
             if not keep or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
                 return self.quantize(weight, spec, record, history)
             return self.cached_weight_cast(weight, spec, record, history, replayed)
@@ -181,7 +185,7 @@ class _FP8LinearFn(torch.autograd.Function):
             if specs.input_reused:
                 saved_x, saved_x_scale = x_data, x_scale
             else:
-                q_x = quantize(x2d, specs.grad_weight[1], statistics=False)
+                q_x = call.quantize(x2d, specs.grad_weight[1], False)
                 saved_x, saved_x_scale = q_x.data, q_x.scale
         saved_w = (w_data if w_reused else weight) if need_input_grad else None
         ctx.save_for_backward(saved_x, saved_x_scale, saved_w, w_scale if w_reused else None)
@@ -285,6 +289,9 @@ class FP8Linear(FP8Module, nn.Linear):
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
     weight_provider: WeightProvider | None = None
+    #: Set by the precision plugin when FSDP2 / DTensor shards the layer's parameters: its weight is cast at every use,
+    #: never kept (a kept FP8 copy of the whole weight would undo the sharding).
+    _fp8_sharded: bool = False
 
     def __init__(
         self,
@@ -310,6 +317,42 @@ class FP8Linear(FP8Module, nn.Linear):
         return linear  # type: ignore[return-value]
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(self.weight, DTensor):  # tensor parallel (torch's ColwiseParallel / RowwiseParallel)
+            return self._forward_tensor_parallel(input)
+        return self._forward(input, self.weight, self.bias, None)
+
+    def _forward_tensor_parallel(self, input: Tensor) -> Tensor:
+        """Tensor parallelism: the three GEMMs on the local pieces, every scale agreed across the group (see
+        :class:`~lightning_fp8.distributed.TensorParallelLayout`). Column-wise: the replicated input times this rank's
+        output features gives the output sharded on its last dimension (the input's gradient is a partial sum);
+        row-wise: the input sharded on its last dimension times this rank's input features gives a partial sum, the
+        bias is added once to the reduced output."""
+        layout = tensor_parallel_layout(self.weight)
+        assert layout is not None
+        mesh = layout.mesh
+        last = input.dim() - 1
+        if not isinstance(input, DTensor):
+            # torch's tensor-parallel styles hand the layer a DTensor input; a plain one means the weight is sharded
+            # for another reason (FSDP2 between its all-gathers): computing on the shard would be silently wrong
+            raise ValueError(
+                f"FP8Linear got a sharded weight (placements {self.weight.placements}) and a plain input: outside a "
+                "tensor-parallel style the weight must be gathered first (call the module FSDP2 wrapped, whose hooks "
+                "gather it), or shard the layer with FP8ColwiseParallel / FP8RowwiseParallel."
+            )
+        weight = self.weight.to_local()
+        if layout.style == "colwise":
+            x = input.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
+            out = self._forward(x, weight, bias, layout)
+            return DTensor.from_local(out, mesh, [Shard(last)], run_check=False)
+        x = input.redistribute(mesh, [Shard(last)]).to_local()
+        out = DTensor.from_local(self._forward(x, weight, None, layout), mesh, [Partial()], run_check=False)
+        if self.bias is not None:
+            bias = self.bias if isinstance(self.bias, DTensor) else DTensor.from_local(self.bias, mesh, [Replicate()], run_check=False)
+            out = out + bias.to(out.dtype)
+        return out
+
+    def _forward(self, input: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallelLayout | None) -> Tensor:
         table, index = self.fp8_state.table, self.fp8_state.index
         recomputing = in_recomputation()
         # What a recomputation replays is captured in eager forwards (a compiled graph recomputes by itself) that
@@ -330,36 +373,36 @@ class FP8Linear(FP8Module, nn.Linear):
                 self._fp8_decision = decision
             if decision.enabled:
                 _check_input(input)
-            return F.linear(input, self.weight, self.bias)
+            return F.linear(input, weight, bias)
         _check_input(input)
-        self._check_state_device(self.weight.device)
+        self._check_state_device(weight.device)
         device_type = input.device.type
         # autocast casts every floating input of a linear but float64 ones (as for nn.Linear)
         autocast = torch.is_autocast_enabled(device_type) and input.dtype != torch.float64
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else input.dtype
         specs = table.specs
-        x2d = input.reshape(-1, self.in_features)
+        x2d = input.reshape(-1, weight.shape[1])
         if autocast and not specs.input_reused:
             # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
             x2d = x2d.to(out_dtype)
         x2d = x2d.contiguous()
-        call = _LinearCall(self, table, index, specs, decision, out_dtype)
+        call = _LinearCall(self, table, index, specs, decision, out_dtype, tp)
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable
             # (one copy of the input and weight flags) and the scale each cast used (a new tensor already).
             ready = table.initialized[index, :2].clone()
         qx = call.quantize(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
-        qw = call.quantize_weight(self.weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
-        out = _FP8LinearFn.apply(x2d, self.weight, qx.data, qx.scale, qw.data, qw.scale, call)
+        qw = call.quantize_weight(weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
+        out = _FP8LinearFn.apply(x2d, weight, qx.data, qx.scale, qw.data, qw.scale, call)
         if capture:
             if specs.history_scaled:
                 decision = decision._replace(history=((INPUT, WEIGHT), (qx.scale, qw.scale), ready))
             self._fp8_decision = decision
-        out = out.reshape(*input.shape[:-1], self.out_features)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        out = out.reshape(*input.shape[:-1], weight.shape[0])
+        if bias is not None:
+            out = out + bias.to(out.dtype)
         return out
 
     def extra_repr(self) -> str:

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision.half import HalfPrecision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -27,7 +27,7 @@ from lightning_fp8.calibration import _loss_tensor, calibrate_with, first_traini
 from lightning_fp8.fabric import FP8PrecisionBase
 from lightning_fp8.state import state_tables
 
-SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
 
 
 class _CalibrateBeforeTraining(Callback):
@@ -66,8 +66,9 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
         trainer = getattr(module, "_trainer", None)
         if trainer is not None and not isinstance(trainer.strategy, SUPPORTED_STRATEGIES):
             raise ValueError(
-                f"FP8Precision does not support the {type(trainer.strategy).__name__} strategy yet. Supported: "
-                "single device (strategy='auto') and DDP (strategy='ddp', 'ddp_spawn', 'ddp_notebook')."
+                f"FP8Precision does not support the {type(trainer.strategy).__name__} strategy. Supported: "
+                "single device (strategy='auto'), DDP (strategy='ddp', 'ddp_spawn', 'ddp_notebook') and FSDP2 / tensor "
+                "parallelism through ModelParallelStrategy (see lightning_fp8.prepare_for_sharding)."
             )
         if not any(m is module for m in self.fp8_models) and not any(m is module for m, _ in self._plain_models):
             self._forget_models()

@@ -35,7 +35,7 @@ This module knows nothing about modules or state.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -204,6 +204,7 @@ def quantize(
     history_scale: Tensor | None = None,
     history_ready: Tensor | None = None,
     scale: Tensor | None = None,
+    amax_reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> Quantized:
     """Quantize ``x`` as ``spec`` says, with the cast's statistics unless ``statistics=False``.
 
@@ -215,8 +216,12 @@ def quantize(
         history_ready: a bool device scalar: whether ``history_scale`` is usable (the history holds an amax);
             otherwise the current amax gives the scale.
         scale: use exactly this scale (an activation-checkpointing recomputation reuses the forward's).
+        amax_reduce: combines the amaxes of ``x`` with those of the other pieces of the same tensor (tensor
+            parallelism: a MAX all-reduce over the group), so that every piece is cast with the whole tensor's scales.
     """
     x = x.detach()
+    if amax_reduce is not None:
+        return _quantize_reference(x, spec, statistics, history_scale, history_ready, scale, amax_reduce)
     if spec.granularity == "block" and scale is None and spec.scale_source == "current" and use_triton(x):
         return _quantize_blocks_fused(x, spec, statistics)
     if (
@@ -233,8 +238,24 @@ def quantize(
             x, history_scale, history_ready, spec.dtype, margin=spec.margin, power_of_2=spec.power_of_2
         )
         return Quantized(data, scale, CastStats(amax, scale, x.numel(), counts) if statistics else None)
+    return _quantize_reference(x, spec, statistics, history_scale, history_ready, scale, None)
+
+
+def _quantize_reference(
+    x: Tensor,
+    spec: CastSpec,
+    statistics: bool,
+    history_scale: Tensor | None,
+    history_ready: Tensor | None,
+    scale: Tensor | None,
+    amax_reduce: Callable[[Tensor], Tensor] | None,
+) -> Quantized:
+    """The torch reference of :func:`quantize` (the amaxes optionally reduced across the pieces of a tensor)."""
     amax = current_amax(x, spec)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
     # a scale from x's own amax (per tensor, row or block) cannot saturate a finite element: see cast_statistics
+    # (a reduced amax, the whole tensor's, is at least this piece's: still no saturation)
     overflow_free = scale is None and spec.scale_source == "current"
     if scale is None:
         scale = amax_to_scale(amax, spec.fp8_max, spec.margin, spec.power_of_2)

@@ -176,27 +176,6 @@ def test_fabric_loss_scaling_off():
     assert fabric.strategy.precision.loss_scale is None
 
 
-def test_sharded_parameters_are_rejected():
-    """FSDP2 turns parameters into DTensors; the plugin refuses them at the first forward."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
-
-    import tempfile
-
-    store_file = tempfile.NamedTemporaryFile(delete=False).name
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        plugin = FP8Precision()
-        model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-        plugin.convert_module(model)
-        model[0].weight = torch.nn.Parameter(DTensor.from_local(model[0].weight.detach(), mesh, [Replicate()]))
-        with pytest.raises(ValueError, match="FSDP"):
-            plugin.forward_context()
-    finally:
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------- loss scaling across several optimizers and models
 
 

@@ -118,14 +118,16 @@ class OtherStrategy(L.pytorch.strategies.Strategy):
 
 
 def test_unsupported_strategy_is_rejected():
+    """FSDP1 (reached on a GPU only: Lightning refuses the plugin earlier on a CPU) is refused with a pointer to FSDP2
+    through ModelParallelStrategy."""
     plugin = FP8Precision()
     model = TinyDecoder()
 
     class FakeTrainer:
-        strategy = L.pytorch.strategies.ModelParallelStrategy.__new__(L.pytorch.strategies.ModelParallelStrategy)
+        strategy = L.pytorch.strategies.FSDPStrategy.__new__(L.pytorch.strategies.FSDPStrategy)
 
     model._trainer = FakeTrainer()  # the plugin asks the module for its trainer's strategy
-    with pytest.raises(ValueError, match="ModelParallelStrategy.*Supported: single device"):
+    with pytest.raises(ValueError, match="FSDPStrategy strategy. Supported: single device.*FSDP2.*ModelParallelStrategy"):
         plugin.convert_module(model)
 
 
