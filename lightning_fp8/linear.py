@@ -56,6 +56,11 @@ from lightning_fp8.state import FP8StateTable
 #: compare the two bit for bit).
 CACHE_WEIGHT_CASTS = True
 
+#: Layers that read the same input tensor (attention's q/k/v, the MLP's gate/up) share its FP8 casts when the cast's
+#: scale comes from the input alone (every recipe's but ``delayed``'s): one cast, and one FP8 copy saved for backward
+#: instead of one per layer. ``False`` casts in every layer (the tests compare the two bit for bit).
+SHARE_INPUT_CASTS = True
+
 #: ``(layer, spec, history) -> Quantized | None``: see the module docstring.
 WeightProvider = Callable[[nn.Module, CastSpec, "tuple[Tensor, Tensor] | None"], "Quantized | None"]
 
@@ -76,6 +81,8 @@ class _LinearCall:
     decision: ForwardDecision
     out_dtype: torch.dtype
     tp: TensorParallelLayout | None = None  #: tensor parallelism: the layer computes on local pieces
+    #: the layer's input tensor, whose FP8 casts other layers may share (``None``: no sharing); the forward clears it
+    input_source: Tensor | None = None
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views)."""
@@ -88,6 +95,26 @@ class _LinearCall:
         reduce = self.tp.amax_reduce(spec, x) if self.tp is not None else None
         q = quantize(x, spec, statistics=record, history_scale=scale, history_ready=ready, amax_reduce=reduce)
         self.record(spec.role, q)
+        return q
+
+    def quantize_input(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
+        """Quantize the input ``x`` (the layer's input, flattened), sharing the cast with the other layers that read the
+        same input tensor (see ``SHARE_INPUT_CASTS``): the casts live on that tensor, keyed by cast spec and the dtype
+        cast, valid while its version counter is unchanged. Each layer records the statistics in its own row."""
+        source = self.input_source
+        if source is None or spec.scale_source != "current":
+            return self.quantize(x, spec, record, history)
+        casts = source.__dict__.get("_fp8_input_casts")
+        if casts is None:
+            casts = source.__dict__["_fp8_input_casts"] = {}
+        key = (spec, x.dtype, x.shape)
+        entry = casts.get(key)
+        if entry is not None and entry[0] == source._version and (not record or entry[1].stats is not None):
+            if record:
+                self.record(spec.role, entry[1])
+            return entry[1]
+        q = self.quantize(x, spec, record, history)
+        casts[key] = (source._version, q)
         return q
 
     def quantize_weight(
@@ -185,7 +212,7 @@ class _FP8LinearFn(torch.autograd.Function):
             if specs.input_reused:
                 saved_x, saved_x_scale = x_data, x_scale
             else:
-                q_x = call.quantize(x2d, specs.grad_weight[1], False)
+                q_x = call.quantize_input(x2d, specs.grad_weight[1], False)
                 saved_x, saved_x_scale = q_x.data, q_x.scale
         saved_w = (w_data if w_reused else weight) if need_input_grad else None
         ctx.save_for_backward(saved_x, saved_x_scale, saved_w, w_scale if w_reused else None)
@@ -285,6 +312,14 @@ class FP8Linear(FP8Module, nn.Linear):
     precision plugin: a standalone ``fp8_autocast()`` cannot tell when an optimizer changed a weight without bumping
     its version (fused optimizers do), so its layers cast at every use; so does ``torch.compile`` (the compiler
     fuses the cast into the graph).
+
+    Layers that read the same input tensor (attention's q, k and v projections, the gate and up projections of a
+    SwiGLU MLP) share its FP8 casts whenever the scale comes from the input alone (every recipe but ``delayed``,
+    whose scales come from each layer's own history): the input is cast once, and the layers save one FP8 copy of it
+    for backward instead of one each; the results are bit-identical, and each layer records the statistics in its own
+    row. The shared casts are kept on the input tensor (they live as long as it does) and are used while its version
+    counter is unchanged (an in-place change is seen). Eager mode only (a compiled graph shares identical casts by
+    itself); not under tensor parallelism nor ``torch.inference_mode``.
     """
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
@@ -387,15 +422,26 @@ class FP8Linear(FP8Module, nn.Linear):
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
             x2d = x2d.to(out_dtype)
         x2d = x2d.contiguous()
-        call = _LinearCall(self, table, index, specs, decision, out_dtype, tp)
+        # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
+        # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an
+        # inference tensor has no version counter, and one cached on a normal tensor could not be saved for backward)
+        share = (
+            SHARE_INPUT_CASTS
+            and tp is None
+            and not torch.compiler.is_compiling()
+            and not torch.is_inference_mode_enabled()
+            and not input.is_inference()
+        )
+        call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable
             # (one copy of the input and weight flags) and the scale each cast used (a new tensor already).
             ready = table.initialized[index, :2].clone()
-        qx = call.quantize(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
+        qx = call.quantize_input(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
         qw = call.quantize_weight(weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
         out = _FP8LinearFn.apply(x2d, weight, qx.data, qx.scale, qw.data, qw.scale, call)
+        call.input_source = None  # the backward keeps the call: it must not keep the high-precision input alive
         if capture:
             if specs.history_scaled:
                 decision = decision._replace(history=((INPUT, WEIGHT), (qx.scale, qw.scale), ready))

@@ -10,7 +10,7 @@ from utils import make_trainer
 
 import lightning_fp8 as lf
 from lightning_fp8 import linear as fp8_linear
-from lightning_fp8.recipe import RECIPES, WEIGHT
+from lightning_fp8.recipe import INPUT, RECIPES, WEIGHT
 
 _QUANTIZE = fp8_linear.quantize
 
@@ -191,3 +191,65 @@ def test_a_dtype_round_trip_drops_the_kept_cast():
     fresh.eval()
     with lf.fp8_autocast(), torch.no_grad():
         assert torch.equal(after, fresh(x))
+
+
+# ------------------------------------------------------------------ sibling layers share their input's cast
+
+
+def _siblings(recipe: str, share: bool, monkeypatch, mutate_between: bool = False):
+    """q, k and v reading one input tensor; returns (outputs, grads, unique saved bytes, input casts made, histories)."""
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    casts = []
+    real = _QUANTIZE
+
+    def counting(x, spec, *, statistics=True, **kwargs):
+        if spec.role == INPUT:
+            casts.append(spec)
+        return real(x, spec, statistics=statistics, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "quantize", counting)
+    torch.manual_seed(0)
+    q, k, v = (lf.FP8Linear(128, 128, recipe=recipe) for _ in range(3))
+    x = torch.randn(4, 32, 128, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast():
+            h = x * 2.0  # one activation tensor read by the three layers
+            out_q = q(h)
+            if mutate_between:
+                with torch.no_grad():
+                    h[0, 0] += 1000.0  # in place: the next layers must not reuse the earlier cast
+            y = out_q + k(h) + v(h)
+    y.float().sum().backward()
+    histories = [m.fp8_amax_history[0].clone() for m in (q, k, v)]
+    return y.detach(), [t.grad.clone() for t in (x, q.weight, k.weight, v.weight)], sum(saved.values()), casts, histories
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layers_reading_one_input_share_its_fp8_cast(recipe, monkeypatch):
+    shared = _siblings(recipe, True, monkeypatch)
+    separate = _siblings(recipe, False, monkeypatch)
+    assert torch.equal(shared[0], separate[0])
+    assert all(torch.equal(a, b) for a, b in zip(shared[1], separate[1]))
+    assert all(torch.equal(a, b) for a, b in zip(shared[4], separate[4]))  # each layer recorded its input's amax
+    if recipe == "delayed":  # scaled by each layer's own history: nothing to share
+        assert len(shared[3]) == len(separate[3]) == 3 and shared[2] == separate[2]
+        return
+    # one cast of the input instead of three (two for the recipes that also cast it for grad_weight), and the three
+    # layers save one FP8 copy of it (and its scales): two copies of 4 x 32 x 128 one-byte elements fewer
+    assert len(separate[3]) == 3 * len(shared[3])
+    assert 2 * 4 * 32 * 128 <= separate[2] - shared[2] <= 2 * 4 * 32 * 128 * 1.3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_input_changed_in_place_between_siblings_is_cast_again(recipe, monkeypatch):
+    shared = _siblings(recipe, True, monkeypatch, mutate_between=True)
+    separate = _siblings(recipe, False, monkeypatch, mutate_between=True)
+    assert torch.equal(shared[0], separate[0])
+    assert all(torch.equal(a, b) for a, b in zip(shared[1], separate[1]))
