@@ -731,6 +731,47 @@ def llama_tables(data: dict[str, Any] | None = None) -> dict[str, str]:
             "llama_compile.md": llama_compile(data), "llama_targets.md": llama_targets(data)}
 
 
+# ---------------------------------------------------------------------------------------- bench_fsdp2
+
+#: The issue's target: bytes moved by FSDP2's parameter all-gathers per step, at most this times the bf16 gathers'.
+FSDP2_GATHER_TARGET = 0.57
+
+
+def fsdp2_all_gather() -> str:
+    data = load("fsdp2.json")
+    model, configs = data["model"], data["configs"]
+    note = "the bytes FSDP2 moves do not depend on the hardware, nor on the emulation"
+    measured = {name: c for name, c in configs.items() if c["status"] == "measured"}
+    base, fp8_compute = measured.get("bf16"), measured.get("tensorwise-bf16-gather")
+    any_config = next(iter(measured.values()))
+    what = (f"A GPT of {model['blocks']} blocks, hidden {model['hidden']} ({any_config['parameters']} parameters, "
+            f"{any_config['linear_weight_fraction']:.0%} of them Linear weights), {model['ranks']} ranks of FSDP2 through "
+            f"`ModelParallelStrategy`, `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` for what is not gathered in "
+            f"FP8, {model['tokens_per_rank_per_step']} tokens per rank per step, {model['steps']} steps; bytes per "
+            f"training step (forward and backward) as FSDP2 hands them to its all-gather and reduce-scatter.")
+    rows = []
+    for name, c in configs.items():
+        if c["status"] != "measured":
+            rows.append([f"`{name}`", f"not measured: {c['reason']}", "", "", "", "", ""])
+            continue
+        gather = c["all_gather_bytes"]
+        target = ""
+        if base and name in ("tensorwise", "delayed"):
+            target = "met" if gather <= FSDP2_GATHER_TARGET * base["all_gather_bytes"] else "**missed**"
+        rows.append([
+            f"`{name}`",
+            f"{gather / 1024:.0f} KiB",
+            x(gather / base["all_gather_bytes"]) if base else "",
+            x(gather / fp8_compute["all_gather_bytes"]) if fp8_compute else "",
+            f"{c['reduce_scatter_bytes'] / 1024:.0f} KiB",
+            f"{c['loss']:.3f}",
+            target,
+        ])
+    headers = ["configuration", "all-gather per step", "vs `bf16`", "vs `tensorwise-bf16-gather`", "reduce-scatter per step",
+               "last loss", f"≤ {FSDP2_GATHER_TARGET} × bf16"]
+    return caption(data["environment"], data["command"], note) + "\n\n" + what + "\n\n" + table(headers, rows)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "convergence.md": convergence_plain,
     "convergence_outliers.md": convergence_outliers,
@@ -749,6 +790,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_memory.md": llama_memory,
     "llama_compile.md": llama_compile,
     "llama_targets.md": llama_targets,
+    "fsdp2_all_gather.md": fsdp2_all_gather,
 }
 
 

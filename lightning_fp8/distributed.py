@@ -304,9 +304,11 @@ def gathered_weight(layer: nn.Module, spec: CastSpec, history: tuple[Tensor, Ten
 
 def gathers_fp8(recipe: FP8Recipe) -> bool:
     """Whether FSDP2 gathers the weights of ``recipe`` in FP8: per-tensor weight scales (``tensorwise``,
-    ``delayed``) whose forward cast is also the backward's. Row- and block-scaled weights are cast along each GEMM's
-    own reduction dimension (two different casts of the weight, each needing the whole weight's rows or blocks), so
-    FSDP2 gathers them in the parameter dtype and each layer casts the gathered weight."""
+    ``delayed``) whose forward cast is also the backward's. ``rowwise`` and ``mxfp8`` cast the weight twice, along
+    each GEMM's own reduction dimension, and the grad_input cast scales along the columns, which no row shard holds
+    whole (gathering both casts would move as many bytes as bf16); ``blockwise``'s 128×128 blocks serve both GEMMs
+    but need shards of whole 128-row blocks (not done yet). FSDP2 gathers those in the parameter dtype and each layer
+    casts the gathered weight."""
     specs = recipe.cast_specs()
     return specs.forward[WEIGHT].granularity == "tensor" and specs.weight_reused
 

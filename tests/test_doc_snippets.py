@@ -532,6 +532,11 @@ SHELL_COMMANDS: dict[str, object] = {
     "python examples/fabric_fp8.py --steps 100 --resume fabric_fp8.ckpt": Covered(
         "test_examples.py::test_fabric_example_runs_and_resumes", ("fabric_fp8.py", '"--resume", "fabric_fp8.ckpt"')
     ),
+    # docs/distributed.md: consolidating a ModelParallelStrategy checkpoint folder (run by tests/test_fsdp2.py)
+    "python -m lightning.fabric.utilities.consolidate_checkpoint epoch1.ckpt --output_file epoch1.consolidated.ckpt": Covered(
+        "test_fsdp2.py::test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model",
+        ("lightning.fabric.utilities.consolidate_checkpoint", "--output_file"),
+    ),
     # docs/compare.md: run on the example (gpu.yaml shrunk, 3 steps) by tests/test_compare.py
     "python -m lightning_fp8.compare --config examples/fp8_lm/configs/cpu.yaml --model-class"
     " examples/fp8_lm/train.py:ByteTransformerLM --data-class examples/fp8_lm/train.py:StdlibBytes --recipes"
@@ -544,6 +549,7 @@ SHELL_COMMANDS: dict[str, object] = {
     "python benchmarks/bench_linear.py --quick": Help(),
     "python benchmarks/bench_linear.py --small": Help(),
     "python benchmarks/bench_compare.py": Help(),
+    "python benchmarks/bench_fsdp2.py": Help(),
     # docs/benchmarks.md, "Llama-style blocks" (tests/test_bench_llama.py runs its measurement code on a tiny size)
     "python benchmarks/bench_llama.py --threads 1": Help(),
     "python benchmarks/bench_llama.py --large": Help(),

@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from models import TinyDecoder, loader  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
@@ -46,7 +46,7 @@ class ShardedDecoder(TinyDecoder):
         self.prepare, self.torch_styles = prepare, torch_styles
 
     def configure_model(self):
-        if self.device_mesh is None:  # one process: nothing to shard
+        if self.device_mesh is None or isinstance(self, FSDPModule):  # one process: nothing to shard; sharded already
             return
         # before fully_shard: convert, and make the FP8 weights gather in FP8 (or not: the bf16 baseline)
         if self.prepare:
