@@ -444,3 +444,15 @@ def test_tensor_parallel_layers_match_the_unsharded_layers_for_every_recipe(tmp_
         assert result["output_sqnr"] > 40 and result["grad_input_sqnr"] > 40, (recipe, result)  # FP8 itself: ~28 dB
         if recipe in ("tensorwise", "delayed"):  # per-tensor weight scale: the whole weight's on every rank
             assert result["weight_scale_equal_0"] and result["weight_scale_equal_2"], recipe
+
+
+def test_fsdp1_strategies_refuse_the_plugin():
+    """Lightning's FSDP (FSDP1) strategies accept only their own FSDPPrecision: the TypeError the docs quote (on a CPU,
+    Lightning refuses strategy="fsdp" even earlier, for the accelerator)."""
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDP
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin"):
+        FSDPStrategy(precision_plugin=lf.FP8Precision())
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FabricFSDP(precision=lf.fabric.FP8Precision())
