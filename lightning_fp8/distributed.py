@@ -170,13 +170,15 @@ class FP8ShardedWeight(Tensor):
 
     _tensor: Tensor
     _scale: Tensor
+    _spec: CastSpec
 
     @staticmethod
-    def __new__(cls, tensor: Tensor, scale: Tensor | None = None) -> FP8ShardedWeight:  # noqa: D102
+    def __new__(cls, tensor: Tensor, spec: CastSpec, scale: Tensor | None = None) -> FP8ShardedWeight:  # noqa: D102
         return _wrapper(cls, tensor, tensor.dtype, tensor.requires_grad)
 
-    def __init__(self, tensor: Tensor, scale: Tensor | None = None) -> None:
+    def __init__(self, tensor: Tensor, spec: CastSpec, scale: Tensor | None = None) -> None:
         self._tensor = tensor
+        self._spec = spec  # the layer's forward weight cast (kept here: the layer may be switched to high precision)
         # one float32 scalar shared by every view of this weight (FSDP's padded shard and its narrowed local view)
         self._scale = scale if scale is not None else torch.ones((), dtype=torch.float32, device=tensor.device)
 
@@ -185,35 +187,36 @@ class FP8ShardedWeight(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        scale = None
+        first: FP8ShardedWeight | None = None
 
         def unwrap(t: FP8ShardedWeight) -> Tensor:
-            nonlocal scale
-            scale = t._scale if scale is None else scale
+            nonlocal first
+            first = t if first is None else first
             return t._tensor
 
         args, kwargs = pytree.tree_map_only(FP8ShardedWeight, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _SHARD_OPS:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: FP8ShardedWeight(t, scale), out)
+        assert first is not None
+        return pytree.tree_map_only(Tensor, lambda t: FP8ShardedWeight(t, first._spec, first._scale), out)
 
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["_tensor", "_scale"], None
+    def __tensor_flatten__(self) -> tuple[list[str], CastSpec]:
+        return ["_tensor", "_scale"], self._spec
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Tensor], meta: Any, outer_size: Any, outer_stride: Any) -> FP8ShardedWeight:
-        return FP8ShardedWeight(inner["_tensor"], inner["_scale"])
+        return FP8ShardedWeight(inner["_tensor"], meta, inner["_scale"])
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
     ) -> tuple[tuple[Tensor, ...], Any]:
         """Cast this rank's shard to FP8 (see the class docstring); FP8 bytes travel as ``uint8`` (every backend has
         it), padded to FSDP's shard size."""
-        table, index = module.fp8_state.table, module.fp8_state.index  # type: ignore[union-attr]
-        spec = table.specs.forward[WEIGHT]
-        scale = self._scale
-        if spec.scale_source == "history":
+        spec, scale = self._spec, self._scale
+        state = getattr(module, "fp8_state", None)  # None: the layer was switched to high precision
+        if spec.scale_source == "history" and state is not None:
+            table, index = state.table, state.index
             scale = torch.where(table.initialized[index, WEIGHT], table.role_scale[WEIGHT][index], scale)
         with torch.no_grad():
             q = quantize(self._tensor, spec, scale=scale)
@@ -330,12 +333,20 @@ def enable_fp8_all_gather(module: nn.Module) -> list[str]:
     """Give every FP8 layer of ``module`` whose recipe :func:`gathers_fp8` an :class:`FP8ShardedWeight` weight (the
     same values, a new Parameter) and the :func:`gathered_weight` provider. Call before ``fully_shard`` (FSDP2 looks
     at the weights when it shards them) and before creating the optimizer. Returns the names of those layers
-    (the ones already prepared included)."""
+    (the ones already prepared included). A weight tied to another module (``lm_head.weight is embedding.weight``) is
+    left as it is, gathered in the parameter dtype: wrapping it would untie it."""
     from lightning_fp8.state import fp8_layers
 
+    # a weight tied to another module (an LM head sharing the embedding's weight) stays a plain parameter: wrapping it
+    # would untie it, and the other module would then compute with the FP8-gathered weight
+    owners: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
     names = []
     for name, layer in fp8_layers(module):
         if not isinstance(layer, nn.Linear) or not gathers_fp8(layer.fp8_recipe):  # type: ignore[attr-defined]
+            continue
+        if owners.get(id(layer.weight), 0) > 1:
             continue
         names.append(name)
         if isinstance(_local(layer.weight), FP8ShardedWeight):
@@ -346,27 +357,28 @@ def enable_fp8_all_gather(module: nn.Module) -> list[str]:
                 "parallelize_module (lightning_fp8.prepare_for_sharding at the top of configure_model)"
             )
         weight = layer.weight
-        layer.weight = nn.Parameter(FP8ShardedWeight(weight.data), requires_grad=weight.requires_grad)
+        spec = layer.fp8_state.table.specs.forward[WEIGHT]  # type: ignore[union-attr]
+        layer.weight = nn.Parameter(FP8ShardedWeight(weight.data, spec), requires_grad=weight.requires_grad)
         layer.weight_provider = gathered_weight  # type: ignore[attr-defined]
         layer.register_state_dict_post_hook(_unwrap_state_dict)
     return names
 
 
-def fp8_all_gather_weights(module: nn.Module) -> list[Tensor]:
-    """The local :class:`FP8ShardedWeight` shards of ``module``'s FP8 layers (``[]`` when none gathers in FP8)."""
-    from lightning_fp8.state import fp8_layers
-
-    return [w for _, layer in fp8_layers(module) if isinstance(w := _local(getattr(layer, "weight", None)), FP8ShardedWeight)]
+def fp8_all_gather_weights(module: nn.Module) -> list[FP8ShardedWeight]:
+    """The local :class:`FP8ShardedWeight` shards of ``module``'s layers (``[]`` when none gathers in FP8), those of
+    layers switched back to high precision included (their weights still gather in FP8)."""
+    return [w for m in module.modules() if isinstance(w := _local(getattr(m, "weight", None)), FP8ShardedWeight)]
 
 
 @torch.no_grad()
-def precompute_fp8_weight_scales(weights: list[Tensor], specs: list[CastSpec], group: dist.ProcessGroup | None = None) -> None:
-    """The whole-weight scales of FP8 all-gather weights (``weights``: their local :class:`FP8ShardedWeight` shards,
-    ``specs``: each one's weight cast spec), in one all-reduce for all of them: ``amax`` = MAX over ranks of each
-    shard's ``max |w|``, ``scale = amax_to_scale(amax)`` (the ``tensorwise`` formula). The plugin calls it before the
+def precompute_fp8_weight_scales(weights: list[FP8ShardedWeight], group: dist.ProcessGroup | None = None) -> None:
+    """The whole-weight scales of FP8 all-gather weights (``weights``: their local :class:`FP8ShardedWeight` shards),
+    in one all-reduce for all of them: ``amax`` = MAX over ranks of each shard's ``max |w|``, ``scale =
+    amax_to_scale(amax)`` with each weight's cast spec (the ``tensorwise`` formula). The plugin calls it before the
     first forward after each optimizer step; every rank must call it (it is a collective)."""
     if not weights:
         return
+    specs = [w._spec for w in weights]
     amax = torch.stack(torch._foreach_norm([w._tensor for w in weights], math.inf)).to(torch.float32)
     if world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
@@ -467,7 +479,7 @@ class _KeepFP8AllGather:
         super()._partition_linear_fn(name, module, device_mesh)  # type: ignore[misc]
         if wrapped:
             sharded = module.weight
-            local = FP8ShardedWeight(sharded._local_tensor)
+            local = FP8ShardedWeight(sharded._local_tensor, weight._spec)
             module.weight = nn.Parameter(
                 DTensor.from_local(local, sharded.device_mesh, sharded.placements, run_check=False, shape=sharded.shape, stride=sharded.stride()),
                 requires_grad=sharded.requires_grad,

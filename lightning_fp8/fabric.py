@@ -84,7 +84,7 @@ from lightning_fp8.distributed import (
 )
 from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss_scaling
 from lightning_fp8.module import FP8Module
-from lightning_fp8.recipe import WEIGHT, FP8Recipe, RecipeName
+from lightning_fp8.recipe import FP8Recipe, RecipeName
 from lightning_fp8.region import fp8_region
 from lightning_fp8.state import FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables
 
@@ -468,11 +468,19 @@ class FP8PrecisionBase(Precision):
                 "lightning_fp8.prepare_for_sharding(self)); see the distributed page of the docs."
             )
         unprepared = []
+        tied: set[int] = set()
+        seen: set[int] = set()
+        for _, param in module.named_parameters(remove_duplicate=False):
+            (tied if id(param) in seen else seen).add(id(param))
         for name, layer in fp8_layers(module):
             if any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
                 layer._fp8_sharded = True  # type: ignore[assignment]
                 weight = getattr(layer, "weight", None)
-                if not isinstance(_local(weight), FP8ShardedWeight) and gathers_fp8(layer.fp8_recipe):  # type: ignore[arg-type]
+                if (
+                    not isinstance(_local(weight), FP8ShardedWeight)
+                    and gathers_fp8(layer.fp8_recipe)  # type: ignore[arg-type]
+                    and id(weight) not in tied  # a tied weight gathers in high precision on purpose
+                ):
                     unprepared.append(name)
         if unprepared and not self._warned_unprepared and not self._fp8_all_gather_declined:
             self._warned_unprepared = True
@@ -508,15 +516,10 @@ class FP8PrecisionBase(Precision):
         if not self._gather_scales_stale:
             return
         self._gather_scales_stale = False
-        if self._gather_layers is None:
-            self._gather_layers = [
-                layer for m in self.fp8_models for _, layer in fp8_layers(m) if isinstance(_local(getattr(layer, "weight", None)), FP8ShardedWeight)
-            ]
-        if not self._gather_layers:
-            return
-        weights = [_local(layer.weight) for layer in self._gather_layers]
-        specs = [layer.fp8_state.table.specs.forward[WEIGHT] for layer in self._gather_layers]
-        precompute_fp8_weight_scales(weights, specs)
+        if self._gather_layers is None:  # the layers (FP8, or switched back to high precision) whose weights do
+            self._gather_layers = [m for model in self.fp8_models for m in model.modules() if isinstance(_local(getattr(m, "weight", None)), FP8ShardedWeight)]
+        if self._gather_layers:  # the local shard objects are read each time: FSDP2 may replace them
+            precompute_fp8_weight_scales([_local(m.weight) for m in self._gather_layers])
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:

@@ -263,12 +263,13 @@ def test_fp8_all_gather_gives_the_unsharded_cast_bit_for_bit(recipe):
     reference.load_state_dict(layer.state_dict())
     enable_fp8_all_gather(layer)
     full = layer.weight._tensor
-    shards = [FP8ShardedWeight(piece) for piece in torch.split(full, 27)]
+    spec = layer.fp8_state.table.specs.forward[WEIGHT]
+    assert layer.weight._spec == spec
+    shards = [FP8ShardedWeight(piece, spec) for piece in torch.split(full, 27)]
     for shard in shards[1:]:
         shard._scale = shards[0]._scale
-    spec = layer.fp8_state.table.specs.forward[WEIGHT]
     current = dataclasses.replace(spec, scale_source="current")  # the first step of delayed: no history yet
-    precompute_fp8_weight_scales([shards[0]], [spec])  # one rank: the scale of the shard's amax ...
+    precompute_fp8_weight_scales([shards[0]])  # one rank: the scale of the shard's amax ...
     assert torch.equal(shards[0]._scale, quantize(shards[0]._tensor, current).scale)
     shards[0]._scale.copy_(quantize(full, current).scale)  # ... three ranks: of the whole weight (the all-reduce's)
     mesh = SimpleNamespace(size=lambda: 3)
@@ -456,3 +457,35 @@ def test_fsdp1_strategies_refuse_the_plugin():
         FSDPStrategy(precision_plugin=lf.FP8Precision())
     with pytest.raises(TypeError, match="FSDPPrecision"):
         FabricFSDP(precision=lf.fabric.FP8Precision())
+
+
+def test_a_tied_weight_stays_tied_and_gathers_in_high_precision():
+    """An LM head sharing the embedding's weight: wrapping it for FP8 all-gather would untie the two (and hand the
+    embedding an FP8-gathered weight); it is left as it is."""
+    model = nn.ModuleDict({"embed": nn.Embedding(64, 32), "mid": nn.Linear(32, 32), "head": nn.Linear(32, 64, bias=False)})
+    model["head"].weight = model["embed"].weight
+    assert lf.prepare_for_sharding(model, lf.fabric.FP8Precision()) == ["mid"]
+    assert model["head"].weight is model["embed"].weight and type(model["head"].weight) is nn.Parameter
+    assert isinstance(model["head"], lf.FP8Linear) and isinstance(model["mid"].weight, FP8ShardedWeight)
+
+
+def test_a_layer_switched_to_high_precision_under_fp8_all_gather_warns_and_trains(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plugin = lf.fabric.FP8Precision()
+    lf.prepare_for_sharding(model, plugin)
+    fully_shard(model[0]), fully_shard(model[2]), fully_shard(model)
+    plugin.convert_module(model)
+    with pytest.warns(UserWarning, match="'0' switches to high precision, but FSDP2 gathers its weight in FP8"):
+        plugin.keep_in_high_precision("0")
+    assert type(model[0]).__name__ != "FP8Linear" and isinstance(model[2], lf.FP8Linear)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        with plugin.forward_context():
+            loss = model(torch.randn(8, 32)).float().square().mean()
+        loss.backward()
+        plugin.optimizer_step(optimizer)
+        optimizer.zero_grad()
+        assert torch.isfinite(loss)
