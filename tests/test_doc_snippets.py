@@ -532,6 +532,11 @@ SHELL_COMMANDS: dict[str, object] = {
     "python examples/fabric_fp8.py --steps 100 --resume fabric_fp8.ckpt": Covered(
         "test_examples.py::test_fabric_example_runs_and_resumes", ("fabric_fp8.py", '"--resume", "fabric_fp8.ckpt"')
     ),
+    # the FSDP2 example (tests/test_fsdp2.py runs it with tensor parallelism, a few steps)
+    "python examples/fsdp2_fp8.py": Covered("test_fsdp2.py::test_the_fsdp2_example_runs", ("fsdp2_fp8.py",)),
+    "python examples/fsdp2_fp8.py --tensor-parallel 2": Covered(
+        "test_fsdp2.py::test_the_fsdp2_example_runs", ("fsdp2_fp8.py", '"--tensor-parallel", "2"')
+    ),
     # docs/distributed.md: consolidating a ModelParallelStrategy checkpoint folder (run by tests/test_fsdp2.py)
     "python -m lightning.fabric.utilities.consolidate_checkpoint epoch1.ckpt --output_file epoch1.consolidated.ckpt": Covered(
         "test_fsdp2.py::test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model",

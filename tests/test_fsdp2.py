@@ -193,15 +193,22 @@ def test_fabric_fsdp2_matches_one_process_and_resumes_exactly(tmp_path):
     run_script("fsdp2_fabric.py", tmp_path, "tensorwise", "single")
     run_script("fsdp2_fabric.py", tmp_path, "tensorwise", "fsdp2")
     fsdp, single = load(tmp_path / "fabric_fsdp2.pt"), load(tmp_path / "fabric_single.pt")
-    assert set(fsdp["weight_types"].values()) == {"FP8ShardedWeight"} and len(fsdp["weight_types"]) == 9
+    assert {kind for kind, _ in fsdp["weight_types"].values()} == {"FP8ShardedWeight"} and len(fsdp["weight_types"]) == 9
     assert single["losses"][0] != pytest.approx(5.663039684295654, abs=1e-6)  # the FP8 path ran (not the float32 one)
     assert_losses_close(fsdp["losses"], single["losses"])
     for name, value in fsdp["state"].items():
         assert torch.equal(value, fsdp["resumed"][name]), name
-    rank0 = per_layer(torch.load(tmp_path / "fabric_fp8_rank0.pt", weights_only=True))
-    rank1 = per_layer(torch.load(tmp_path / "fabric_fp8_rank1.pt", weights_only=True))
+    rank0 = per_layer(torch.load(tmp_path / "fabric_fsdp2_fp8_rank0.pt", weights_only=True))
+    rank1 = per_layer(torch.load(tmp_path / "fabric_fsdp2_fp8_rank1.pt", weights_only=True))
     for name in rank0:  # tensorwise: the weight's scale is agreed (the inputs' are each rank's own batch's)
         assert torch.equal(rank0[name]["scale"][WEIGHT], rank1[name]["scale"][WEIGHT]), name
+    # tensor parallel 2 x FSDP2 1 through Fabric: the same losses, and its own exact resume
+    run_script("fsdp2_fabric.py", tmp_path, "tensorwise", "tp")
+    tp = load(tmp_path / "fabric_tp.pt")
+    assert_losses_close(tp["losses"], single["losses"])
+    assert tp["weight_types"]["_forward_module.blocks.0.fc"] == ("FP8ShardedWeight", ["_S(0, 2)", "S(0)"])
+    for name, value in tp["state"].items():
+        assert torch.equal(value, tp["resumed"][name]), name
 
 
 # ------------------------------------------------------------------------------------------------ in-process pieces
@@ -489,3 +496,20 @@ def test_a_layer_switched_to_high_precision_under_fp8_all_gather_warns_and_train
         plugin.optimizer_step(optimizer)
         optimizer.zero_grad()
         assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_the_fsdp2_example_runs(tmp_path):
+    """examples/fsdp2_fp8.py, shortened: tensor parallel 2 on 2 CPU processes (the 2-D mesh: FSDP2 and TP)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "fsdp2_fp8.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--steps", "3", "--tensor-parallel", "2", "--checkpoint", str(tmp_path / "ckpt")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "after 3 steps; distributed checkpoint" in proc.stdout
+    assert (tmp_path / "ckpt" / ".metadata").exists()

@@ -1,9 +1,11 @@
 """Run by tests/test_fsdp2.py: FP8 training with FSDP2 through Fabric's ModelParallelStrategy, 2 CPU processes on gloo
 (or one process without a strategy: the reference).
 
-Usage: fsdp2_fabric.py OUT_DIR RECIPE MODE, MODE ``single`` or ``fsdp2``. Eight AdamW steps on global batches of 8
-(4 per rank), straight; then 4 steps, ``fabric.save`` (a distributed checkpoint folder), a fresh model and optimizer,
-``fabric.load``, 4 more steps: the weights must be those of the straight run, bit for bit.
+Usage: fsdp2_fabric.py OUT_DIR RECIPE MODE, MODE ``single``, ``fsdp2`` or ``tp``. Eight AdamW steps on global batches
+of 8 (``fsdp2``: 4 per rank), straight; then 4 steps, ``fabric.save`` (a distributed checkpoint folder), a fresh model
+and optimizer, ``fabric.load``, 4 more steps: the weights must be those of the straight run, bit for bit. ``tp``:
+tensor parallel 2 x data parallel 1 (the MLPs and the LM head with lightning_fp8's styles, then FSDP2 on the
+data-parallel mesh), both ranks on the same batches.
 """
 
 import os
@@ -18,6 +20,8 @@ import torch.nn.functional as F  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 from models import TinyDecoder, loader  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import Replicate  # noqa: E402
+from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 import lightning_fp8 as lf  # noqa: E402
 from lightning_fp8.fabric import FP8Precision  # noqa: E402
@@ -28,6 +32,11 @@ DIM, STEPS = 128, 8
 
 def parallelize(model, device_mesh):
     lf.prepare_for_sharding(model)  # Fabric converted the model already: this makes the FP8 weights gather in FP8
+    tp = device_mesh["tensor_parallel"]
+    if tp.size() > 1:
+        for block in model.blocks:
+            parallelize_module(block, tp, {"fc": lf.FP8ColwiseParallel(), "out": lf.FP8RowwiseParallel()})
+        parallelize_module(model.lm_head, tp, lf.FP8ColwiseParallel(output_layouts=Replicate()))
     mesh = device_mesh["data_parallel"]
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -39,12 +48,15 @@ plugin = FP8Precision(recipe=recipe)
 if mode == "single":
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
 else:
-    strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    tp = 2 if mode == "tp" else 1
+    strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2 // tp, tensor_parallel_size=tp)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
 fabric.launch()
 data = loader(n=32 * 32 + 1, batch_size=8).dataset
 windows = torch.stack([data[i][0] for i in range(len(data))]), torch.stack([data[i][1] for i in range(len(data))])
 rank, world = fabric.global_rank, fabric.world_size
+if mode == "tp":  # the tensor-parallel ranks see the same batches: one data-parallel rank
+    rank, world = 0, 1
 
 
 def batch(step):
@@ -79,23 +91,27 @@ def run(steps, start=0, state=None):
 def full_state(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if world == 1:
+    if fabric.world_size == 1:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 model, _, losses = run(STEPS)
 straight = full_state(model)
-weight_types = {n: type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for n, m in model.named_modules() if isinstance(m, lf.FP8Linear)}
+weight_types = {
+    n: (type(getattr(m.weight, "_local_tensor", m.weight)).__name__, [str(p) for p in getattr(m.weight, "placements", ())])
+    for n, m in model.named_modules()
+    if isinstance(m, lf.FP8Linear)
+}
 fp8_straight = lf.fp8_state_dict(model)
 result = {"losses": losses, "state": straight, "weight_types": weight_types, "fp8": fp8_straight}
 if mode != "single":
-    torch.save(fp8_straight, os.path.join(out_dir, f"fabric_fp8_rank{rank}.pt"))
+    torch.save(fp8_straight, os.path.join(out_dir, f"fabric_{mode}_fp8_rank{fabric.global_rank}.pt"))
     model, optimizer, _ = run(STEPS // 2)
     ckpt = os.path.join(out_dir, "fabric.ckpt")
     fabric.save(ckpt, {"model": model, "optimizer": optimizer, "fp8": plugin})
     resumed, _, _ = run(STEPS // 2, start=STEPS // 2, state=ckpt)
     result["resumed"] = full_state(resumed)
     result["fp8_resumed"] = lf.fp8_state_dict(resumed)
-if rank == 0:
+if fabric.global_rank == 0:
     torch.save(result, os.path.join(out_dir, f"fabric_{mode}.pt"))
