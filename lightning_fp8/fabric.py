@@ -67,6 +67,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -106,6 +107,15 @@ def plugin_of(model: nn.Module) -> FP8PrecisionBase | None:
         if plugin is not None and any(id(table) in tables for table in plugin._tables):
             return plugin
     return None
+
+
+def _model_class(model: nn.Module | str) -> str:
+    """The model's class name as checkpoints record it, without the ``FSDP`` prefix of the class FSDP2's ``fully_shard``
+    gives a module it shards (``FSDPGPT`` for ``GPT``): a checkpoint of a sharded run resumes unsharded and back."""
+    name = model if isinstance(model, str) else type(model).__qualname__
+    if isinstance(model, str) or isinstance(model, FSDPModule):
+        name = name[4:] if name.startswith("FSDP") and len(name) > 4 else name
+    return name
 
 
 def prepare_for_sharding(
@@ -692,7 +702,7 @@ class FP8PrecisionBase(Precision):
             "loss_scaler": scaler["scaler"],
             "skipped_steps": scaler["skipped_steps"],
             "world_size": world_size(),
-            "model_classes": [type(model).__qualname__ for model in self.fp8_models],
+            "model_classes": [_model_class(model) for model in self.fp8_models],
             "models": [fp8_state_dict(model) for model in self.fp8_models],
             "high_precision_layers": dict(self.high_precision_layers),
         }
@@ -735,8 +745,8 @@ class FP8PrecisionBase(Precision):
                 f"The checkpoint holds the FP8 state of {len(state_dict['models'])} model(s), but {len(self.fp8_models)} "
                 "are set up with this FP8Precision."
             )
-        classes = state_dict.get("model_classes") or []
-        current = [type(m).__qualname__ for m in self.fp8_models]
+        classes = [_model_class(name) for name in state_dict.get("model_classes") or []]
+        current = [_model_class(m) for m in self.fp8_models]
         if current[: len(classes)] != classes[: len(current)]:
             raise ValueError(
                 f"The checkpoint holds the FP8 state of models {classes}, in set-up order, but this FP8Precision set up "

@@ -513,3 +513,27 @@ def test_the_fsdp2_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "after 3 steps; distributed checkpoint" in proc.stdout
     assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_a_one_device_checkpoint_resumes_into_an_fsdp2_model_and_back(one_rank_group):
+    """fully_shard gives the model a new class (FSDP<name>): the plugin state's model check must see the same model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from models import TinyDecoder
+
+    torch.manual_seed(0)
+    plain, sharded = TinyDecoder(layers=1), TinyDecoder(layers=1)
+    source = lf.fabric.FP8Precision(recipe="delayed")
+    source.convert_module(plain)
+    with source.forward_context():
+        plain(torch.randint(0, 256, (2, 32))).float().sum().backward()
+    source.after_optimizer_step()
+    state = source.state_dict()
+    target = lf.fabric.FP8Precision(recipe="delayed")
+    lf.prepare_for_sharding(sharded, target)
+    fully_shard(sharded)
+    target.convert_module(sharded)
+    assert type(sharded).__name__ == "FSDPTinyDecoder"
+    target.load_state_dict(state)  # no "set the models up in the same order" error
+    assert torch.equal(lf.fp8_state_dict(sharded)["tables"][0]["amax_history"], lf.fp8_state_dict(plain)["tables"][0]["amax_history"])
+    assert target.state_dict()["model_classes"] == ["TinyDecoder"]  # and back: the sharded run saves the plain name
