@@ -287,6 +287,7 @@ class FP8PrecisionBase(Precision):
         self._fp8_all_gather_declined = False  # prepare_for_sharding(fp8_all_gather=False): no warning
         self._gather_layers: list[nn.Module] | None = None  # layers whose weights FSDP2 gathers in FP8 (lazily)
         self._gather_scales_stale = True
+        self._gather_key: tuple[tuple[int, int], ...] = ()
         _PLUGINS[:] = [ref for ref in _PLUGINS if ref() is not None]
         _PLUGINS.append(weakref.ref(self))
 
@@ -521,15 +522,23 @@ class FP8PrecisionBase(Precision):
 
     # ------------------------------------------------------------------ FSDP2 FP8 all-gather
     def _precompute_gather_scales(self) -> None:
-        """Before the first forward after an optimizer step (or a set-up, or a restore): the whole-weight scales of the
-        weights FSDP2 gathers in FP8, one all-reduce for all of them (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`)."""
-        if not self._gather_scales_stale:
-            return
-        self._gather_scales_stale = False
+        """Before a forward, when the weights FSDP2 gathers in FP8 changed (an optimizer step, a set-up, a restore, or an
+        in-place change such as ``load_state_dict`` or swapped-in averaged weights, seen by the weights' version
+        counters): their whole-weight scales, one all-reduce for all of them
+        (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`). Otherwise a flag test and, under FSDP2 with FP8
+        all-gather, one read of each weight's version counter (host integers, no device work)."""
         if self._gather_layers is None:  # the layers (FP8, or switched back to high precision) whose weights do
             self._gather_layers = [m for model in self.fp8_models for m in model.modules() if isinstance(_local(getattr(m, "weight", None)), FP8ShardedWeight)]
-        if self._gather_layers:  # the local shard objects are read each time: FSDP2 may replace them
-            precompute_fp8_weight_scales([_local(m.weight) for m in self._gather_layers])
+            self._gather_scales_stale = True
+        if not self._gather_layers:
+            return
+        weights = [_local(m.weight) for m in self._gather_layers]  # read each time: FSDP2 may replace the shard objects
+        # the parameters' own version counters: in-place ops on the DTensor parameter bump them (not the local shard's,
+        # which the subclasses' dispatch updates below autograd's version counting)
+        key = tuple((id(w), m.weight._version) for w, m in zip(weights, self._gather_layers))
+        if self._gather_scales_stale or key != self._gather_key:
+            precompute_fp8_weight_scales(weights)
+            self._gather_scales_stale, self._gather_key = False, key
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:

@@ -537,3 +537,33 @@ def test_a_one_device_checkpoint_resumes_into_an_fsdp2_model_and_back(one_rank_g
     target.load_state_dict(state)  # no "set the models up in the same order" error
     assert torch.equal(lf.fp8_state_dict(sharded)["tables"][0]["amax_history"], lf.fp8_state_dict(plain)["tables"][0]["amax_history"])
     assert target.state_dict()["model_classes"] == ["TinyDecoder"]  # and back: the sharded run saves the plain name
+
+
+def test_weights_changed_outside_the_optimizer_step_get_fresh_gather_scales(one_rank_group):
+    """load_state_dict between steps (or weights swapped in for evaluation): the next forward's FP8 all-gather uses the
+    new weights' scales, so the sharded model computes exactly as the unsharded one with the same weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    sharded, plain = (nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+    plain.load_state_dict(sharded.state_dict())
+    big = {k: v * 10 for k, v in plain.state_dict().items()}  # amaxes 10x: the old scales would saturate
+    plugins = [lf.fabric.FP8Precision(), lf.fabric.FP8Precision()]
+    lf.prepare_for_sharding(sharded, plugins[0])
+    fully_shard(sharded[0]), fully_shard(sharded[2]), fully_shard(sharded)
+    plugins[0].convert_module(sharded)
+    plugins[1].convert_module(plain)
+    x = torch.randn(8, 32)
+    outputs = []
+    for model, plugin in zip((sharded, plain), plugins):
+        with torch.no_grad(), plugin.forward_context():
+            first = model(x)
+        if model is sharded:  # no optimizer step in between
+            set_model_state_dict(model, dict(big), options=StateDictOptions(full_state_dict=True))
+        else:
+            model.load_state_dict(big)
+        with torch.no_grad(), plugin.forward_context():
+            outputs.append((first, model(x)))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
