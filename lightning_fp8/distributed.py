@@ -329,6 +329,15 @@ def _unwrap_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
         state_dict[key] = value._tensor
 
 
+def tied_parameters(module: nn.Module) -> set[int]:
+    """The ``id`` of every parameter of ``module`` that more than one submodule holds (tied weights)."""
+    seen: set[int] = set()
+    tied: set[int] = set()
+    for _, param in module.named_parameters(remove_duplicate=False):
+        (tied if id(param) in seen else seen).add(id(param))
+    return tied
+
+
 def enable_fp8_all_gather(module: nn.Module) -> list[str]:
     """Give every FP8 layer of ``module`` whose recipe :func:`gathers_fp8` an :class:`FP8ShardedWeight` weight (the
     same values, a new Parameter) and the :func:`gathered_weight` provider. Call before ``fully_shard`` (FSDP2 looks
@@ -339,14 +348,12 @@ def enable_fp8_all_gather(module: nn.Module) -> list[str]:
 
     # a weight tied to another module (an LM head sharing the embedding's weight) stays a plain parameter: wrapping it
     # would untie it, and the other module would then compute with the FP8-gathered weight
-    owners: dict[int, int] = {}
-    for _, param in module.named_parameters(remove_duplicate=False):
-        owners[id(param)] = owners.get(id(param), 0) + 1
+    tied = tied_parameters(module)
     names = []
     for name, layer in fp8_layers(module):
         if not isinstance(layer, nn.Linear) or not gathers_fp8(layer.fp8_recipe):  # type: ignore[attr-defined]
             continue
-        if owners.get(id(layer.weight), 0) > 1:
+        if id(layer.weight) in tied:
             continue
         names.append(name)
         if isinstance(_local(layer.weight), FP8ShardedWeight):

@@ -81,6 +81,7 @@ from lightning_fp8.distributed import (
     enable_fp8_all_gather,
     gathers_fp8,
     precompute_fp8_weight_scales,
+    tied_parameters,
     world_size,
 )
 from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss_scaling
@@ -479,10 +480,7 @@ class FP8PrecisionBase(Precision):
                 "lightning_fp8.prepare_for_sharding(self)); see the distributed page of the docs."
             )
         unprepared = []
-        tied: set[int] = set()
-        seen: set[int] = set()
-        for _, param in module.named_parameters(remove_duplicate=False):
-            (tied if id(param) in seen else seen).add(id(param))
+        tied = tied_parameters(module)
         for name, layer in fp8_layers(module):
             if any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
                 layer._fp8_sharded = True  # type: ignore[assignment]
