@@ -263,7 +263,7 @@ class FP8StateTable:
         applied to (input and weight scales come out unchanged: their histories did not move).
         """
         ratio = ratio.to(device=self.device, dtype=torch.float32)
-        self.generation += 1
+        # no new generation: the input and weight scales do not move, so the weights' FP8 casts stay valid
         self.amax_history.data[:, GRAD_OUTPUT].mul_(ratio)  # .data: see roll()
         self.role_amax_pending[GRAD_OUTPUT].data.mul_(ratio)
         if self.recipe.name == "delayed":
