@@ -131,6 +131,7 @@ _SHARD_OPS = {
     torch.ops.aten.alias.default,
     torch.ops.aten.detach.default,
     torch.ops.aten.clone.default,  # copy.deepcopy of a prepared model (weight averaging)
+    torch.ops.aten.empty_like.default,  # module.to_empty(): a model built on the meta device, then materialised
 }
 
 #: aten ops that keep an FP8GatheredWeight (what FSDP2 does to the gathered tensor to make the unsharded parameter).
@@ -199,7 +200,15 @@ class FP8ShardedWeight(Tensor):
         if func not in _SHARD_OPS:
             return out
         assert first is not None
-        return pytree.tree_map_only(Tensor, lambda t: FP8ShardedWeight(t, first._spec, first._scale), out)
+        scale = first._scale
+
+        def wrap(t: Tensor) -> FP8ShardedWeight:
+            nonlocal scale
+            if scale.device != t.device:  # moved (or materialised from meta): a scale of its own on the new device,
+                scale = torch.ones((), dtype=torch.float32, device=t.device)  # computed before the next gather
+            return FP8ShardedWeight(t, first._spec, scale)
+
+        return pytree.tree_map_only(Tensor, wrap, out)
 
     def __tensor_flatten__(self) -> tuple[list[str], CastSpec]:
         return ["_tensor", "_scale"], self._spec
@@ -212,16 +221,29 @@ class FP8ShardedWeight(Tensor):
         self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
     ) -> tuple[tuple[Tensor, ...], Any]:
         """Cast this rank's shard to FP8 (see the class docstring); FP8 bytes travel as ``uint8`` (every backend has
-        it), padded to FSDP's shard size."""
+        it), padded to FSDP's shard size. An empty shard (more ranks than rows' chunks) sends the padding only, with
+        no statistics. The layer remembers this shard (``_fp8_gather_shard``): while the layer holds the gathered
+        weight, the scale precompute reaches the shard through it."""
+        if tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            raise ValueError(
+                f"FP8 all-gather needs weights sharded on dim 0 (FSDP2's default Shard(0)); a "
+                f"{tuple(outer_size)} weight arrived sharded as {tuple(self.shape)} (a shard_placement_fn returning "
+                "Shard(1)?). Shard FP8 layers' weights on dim 0, or prepare with "
+                "prepare_for_sharding(..., fp8_all_gather=False)."
+            )
+        module.__dict__["_fp8_gather_shard"] = self
         spec, scale = self._spec, self._scale
         state = getattr(module, "fp8_state", None)  # None: the layer was switched to high precision
         if spec.scale_source == "history" and state is not None:
             table, index = state.table, state.index
             scale = torch.where(table.initialized[index, WEIGHT], table.role_scale[WEIGHT][index], scale)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first one's rows
+        if self._tensor.numel() == 0:
+            data = torch.zeros((rows, *outer_size[1:]), dtype=spec.dtype, device=self.device)
+            return (data.view(torch.uint8),), (spec.dtype, scale, None)
         with torch.no_grad():
             q = quantize(self._tensor, spec, scale=scale)
         data = q.data
-        rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first one's rows
         if data.size(0) != rows:
             padded = data.new_zeros((rows, *data.shape[1:]))
             padded[: data.size(0)].copy_(data)
@@ -292,17 +314,12 @@ def gathered_weight(layer: nn.Module, spec: CastSpec, history: tuple[Tensor, Ten
     """The weight provider of layers prepared for FP8 all-gather: the gathered FP8 weight when the layer's weight is
     one and ``spec`` is the cast it was gathered with; ``None`` otherwise (the layer quantizes its weight itself).
 
-    The shard's statistics are handed over once per optimizer step (a later micro-batch's gather repeats them)."""
+    The shard's statistics come with it; the layer records them once per optimizer step (a later micro-batch's gather
+    repeats them)."""
     weight = _local(layer.weight)
     if not isinstance(weight, FP8GatheredWeight) or spec.granularity != "tensor" or spec.dtype != weight._data.dtype:
         return None
-    table = layer.fp8_state.table  # type: ignore[union-attr]
-    stats = weight._stats
-    if stats is not None and layer.__dict__.get("_fp8_gather_generation") == (id(table), table.generation):
-        stats = None
-    elif stats is not None:
-        layer.__dict__["_fp8_gather_generation"] = (id(table), table.generation)
-    return Quantized(weight._data, weight._scale, stats)
+    return Quantized(weight._data, weight._scale, weight._stats)
 
 
 def gathers_fp8(recipe: FP8Recipe) -> bool:
@@ -371,10 +388,22 @@ def enable_fp8_all_gather(module: nn.Module) -> list[str]:
     return names
 
 
+def fp8_all_gather_shard(layer: nn.Module) -> FP8ShardedWeight | None:
+    """The local :class:`FP8ShardedWeight` shard of ``layer``'s weight: the weight itself while sharded, the shard
+    FSDP2 last gathered from while the layer holds the gathered weight (FSDP2 keeps the root's parameters unsharded
+    after forward, and :meth:`FSDPModule.unshard` gathers ahead); ``None`` when the weight does not gather in FP8."""
+    weight = _local(getattr(layer, "weight", None))
+    if isinstance(weight, FP8ShardedWeight):
+        return weight
+    if isinstance(weight, FP8GatheredWeight):
+        return layer.__dict__.get("_fp8_gather_shard")
+    return None
+
+
 def fp8_all_gather_weights(module: nn.Module) -> list[FP8ShardedWeight]:
     """The local :class:`FP8ShardedWeight` shards of ``module``'s layers (``[]`` when none gathers in FP8), those of
     layers switched back to high precision included (their weights still gather in FP8)."""
-    return [w for m in module.modules() if isinstance(w := _local(getattr(m, "weight", None)), FP8ShardedWeight)]
+    return [w for m in module.modules() if (w := fp8_all_gather_shard(m)) is not None]
 
 
 @torch.no_grad()
@@ -386,7 +415,10 @@ def precompute_fp8_weight_scales(weights: list[FP8ShardedWeight], group: dist.Pr
     if not weights:
         return
     specs = [w._spec for w in weights]
-    amax = torch.stack(torch._foreach_norm([w._tensor for w in weights], math.inf)).to(torch.float32)
+    # an empty shard (FSDP2 gives the last ranks none of a small weight's rows) has amax 0; it keeps its entry, so
+    # that every rank all-reduces the same number of amaxes
+    shards = [w._tensor if w._tensor.numel() else w._tensor.new_zeros(1) for w in weights]
+    amax = torch.stack(torch._foreach_norm(shards, math.inf)).to(torch.float32)
     if world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     fp8_max = torch.tensor([s.fp8_max for s in specs], dtype=torch.float64, device=amax.device)

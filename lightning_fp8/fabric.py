@@ -78,6 +78,8 @@ from lightning_fp8.distributed import (
     FP8ShardedWeight,
     _local,
     all_reduce_pending_amax,
+    fp8_all_gather_shard,
+    gathered_weight,
     enable_fp8_all_gather,
     gathers_fp8,
     precompute_fp8_weight_scales,
@@ -288,7 +290,8 @@ class FP8PrecisionBase(Precision):
         self._fp8_all_gather_declined = False  # prepare_for_sharding(fp8_all_gather=False): no warning
         self._gather_layers: list[nn.Module] | None = None  # layers whose weights FSDP2 gathers in FP8 (lazily)
         self._gather_scales_stale = True
-        self._gather_key: tuple[tuple[int, int], ...] = ()
+        self._gather_seen: list[tuple[Tensor, int]] = []  # each gathered weight's parameter and version at the last precompute
+        self._gather_modes: tuple[bool, ...] = ()  # the models' training flags then
         _PLUGINS[:] = [ref for ref in _PLUGINS if ref() is not None]
         _PLUGINS.append(weakref.ref(self))
 
@@ -479,7 +482,7 @@ class FP8PrecisionBase(Precision):
                 "through ModelParallelStrategy instead (fully_shard in configure_model, after "
                 "lightning_fp8.prepare_for_sharding(self)); see the distributed page of the docs."
             )
-        unprepared = []
+        unprepared, replaced = [], []
         tied = tied_parameters(module)
         for name, layer in fp8_layers(module):
             if any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
@@ -490,7 +493,18 @@ class FP8PrecisionBase(Precision):
                     and gathers_fp8(layer.fp8_recipe)  # type: ignore[arg-type]
                     and id(weight) not in tied  # a tied weight gathers in high precision on purpose
                 ):
-                    unprepared.append(name)
+                    # prepared, then the weight lost its wrapper (torch's TP styles, load_state_dict(assign=True))
+                    (replaced if layer.weight_provider is gathered_weight else unprepared).append(name)  # type: ignore[attr-defined]
+        if replaced and not self._warned_unprepared:
+            self._warned_unprepared = True  # once, like the warning below
+            rank_zero_warn(
+                f"FP8Precision: {len(replaced)} FP8 layer(s) ({', '.join(replaced[:3])}{', ...' if len(replaced) > 3 else ''}) "
+                "were prepared for FP8 all-gather, but their weights lost it afterwards, so they gather in high "
+                "precision: sharded for tensor parallelism with torch's ColwiseParallel / RowwiseParallel (use "
+                "lightning_fp8.FP8ColwiseParallel / FP8RowwiseParallel), or replaced (load_state_dict(assign=True), a "
+                "new nn.Parameter: load into the parameters in place, with load_state_dict without assign or "
+                "torch.distributed.checkpoint's set_model_state_dict)."
+            )
         if unprepared and not self._warned_unprepared and not self._fp8_all_gather_declined:
             self._warned_unprepared = True
             rank_zero_warn(
@@ -519,24 +533,36 @@ class FP8PrecisionBase(Precision):
             )
 
     # ------------------------------------------------------------------ FSDP2 FP8 all-gather
-    def _precompute_gather_scales(self) -> None:
-        """Before a forward, when the weights FSDP2 gathers in FP8 changed (an optimizer step, a set-up, a restore, or an
-        in-place change such as ``load_state_dict`` or swapped-in averaged weights, seen by the weights' version
-        counters): their whole-weight scales, one all-reduce for all of them
-        (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`). Otherwise a flag test and, under FSDP2 with FP8
-        all-gather, one read of each weight's version counter (host integers, no device work)."""
+    def _precompute_gather_scales(self, force: bool = False) -> None:
+        """The whole-weight scales of the weights FSDP2 gathers in FP8, one all-reduce for all of them
+        (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`), when they may have changed: after each
+        optimizer step (``force``), and before a forward after a set-up, a restore, a switch between training and
+        evaluation (weights swapped in for validation through ``.data``, as weight averaging does, move no version
+        counter), or an in-place change of a parameter (``load_state_dict``: its version counter). Otherwise a flag test
+        and one look at each such parameter (host values, no device work).
+
+        Every rank decides the same way (the same steps, loads and mode switches run on all ranks), so every rank joins
+        the collective. A layer holding its gathered weight (FSDP2 keeps the root's parameters unsharded after forward;
+        ``unshard()``) is reached through the shard it was gathered from."""
         if self._gather_layers is None:  # the layers (FP8, or switched back to high precision) whose weights do
-            self._gather_layers = [m for model in self.fp8_models for m in model.modules() if isinstance(_local(getattr(m, "weight", None)), FP8ShardedWeight)]
+            self._gather_layers = [m for model in self.fp8_models for m in model.modules() if fp8_all_gather_shard(m) is not None]
             self._gather_scales_stale = True
         if not self._gather_layers:
             return
-        weights = [_local(m.weight) for m in self._gather_layers]  # read each time: FSDP2 may replace the shard objects
-        # the parameters' own version counters: in-place ops on the DTensor parameter bump them (not the local shard's,
-        # which the subclasses' dispatch updates below autograd's version counting)
-        key = tuple((id(w), m.weight._version) for w, m in zip(weights, self._gather_layers))
-        if self._gather_scales_stale or key != self._gather_key:
-            precompute_fp8_weight_scales(weights)
-            self._gather_scales_stale, self._gather_key = False, key
+        modes = tuple(model.training for model in self.fp8_models)
+        # the parameters themselves (in-place ops on a DTensor parameter bump its version counter, not the local
+        # shard's); held, not their id(), so that a new parameter at a recycled address is still a change
+        params = [m.weight for m in self._gather_layers]
+        seen = self._gather_seen
+        changed = force or self._gather_scales_stale or modes != self._gather_modes or len(seen) != len(params)
+        if not changed:
+            changed = any(p is not old or p._version != version for p, (old, version) in zip(params, seen))
+        if not changed:
+            return
+        shards = [fp8_all_gather_shard(m) for m in self._gather_layers]
+        precompute_fp8_weight_scales([w for w in shards if w is not None])
+        self._gather_scales_stale, self._gather_modes = False, modes
+        self._gather_seen = [(p, p._version) for p in params]
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
@@ -689,7 +715,9 @@ class FP8PrecisionBase(Precision):
         all_reduce_pending_amax(tables)
         for table in tables:
             table.roll()
-        self._gather_scales_stale = True  # the weights changed
+        if self._gather_layers is None or self._gather_layers:
+            # the weights changed: their FP8 all-gather scales now, before FSDP2 may gather ahead of the next forward
+            self._precompute_gather_scales(force=True)
 
     # ------------------------------------------------------------------ checkpoints
     @override

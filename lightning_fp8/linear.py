@@ -30,7 +30,8 @@ The weight provider seam: ``layer.weight_provider`` (default ``None``) may be se
 usable)``: the provider must cast with ``scale`` where ``usable`` is true, else with the weight's current
 amax, as :func:`~lightning_fp8.quantize.quantize` does (an activation-checkpointing recomputation passes the
 forward's values). ``None`` from it, or no provider, quantizes ``layer.weight`` here. A provided weight's
-statistics are recorded as if the layer had cast it.
+statistics are recorded as if the layer had cast it, once per optimizer step (a weight's statistics do not change
+within a step; a provider that hands them over at every micro-batch is not counted again).
 """
 
 from __future__ import annotations
@@ -132,8 +133,13 @@ class _LinearCall:
             if not keep or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
                 return self.quantize(weight, spec, record, history)
             return self.cached_weight_cast(weight, spec, record, history, replayed)
-        if record:
-            self.record(spec.role, provided)
+        if record and provided.stats is not None:
+            # a gathered weight's statistics: once per optimizer step (each micro-batch's gather repeats them), and
+            # only by a forward that records (an evaluation forward leaves them to the next training forward)
+            stamp = (id(self.table), self.table.generation)
+            if self.layer.__dict__.get("_fp8_provided_generation") != stamp:
+                self.layer.__dict__["_fp8_provided_generation"] = stamp
+                self.record(spec.role, provided)
         return provided
 
     def cached_weight_cast(

@@ -98,7 +98,7 @@ class FP8StateTable:
         #: The recipe's cast specs (layers read them here on every forward).
         self.specs = recipe.cast_specs()
         self._fp8_max: Tensor | None = None  # per-role fp8_max, (3,) float64 on the device, built lazily
-        #: Bumped (on the host) whenever the scales may have changed other than by a cast: each roll, each write of
+        #: Bumped (on the host) whenever the weight scales may have changed other than by a cast: each roll, each write of
         #: rows, each move. An FP8 weight cast under one generation of an unchanged weight can be reused.
         self.generation = 0
         self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))

@@ -83,6 +83,9 @@ def test_trainer_fsdp2_matches_one_process_and_gathers_fp8(trainer_runs):
     assert set(fsdp["weight_types"].values()) == {"FP8ShardedWeight"}, fsdp["weight_types"]
     assert len(fsdp["weight_types"]) == 9
     assert_losses_close(fsdp["losses"], single["losses"])
+    # validation every 2 steps (4 windows of 2 batches), the LM head held unsharded by the root after each
+    assert len(single["val_losses"]) == 8
+    assert_losses_close(fsdp["val_losses"], single["val_losses"])
     # the parameters stay float32 (sharded), with the unconverted model's keys
     assert fsdp["state"].keys() == single["state"].keys()
     assert all(v.dtype == torch.float32 for v in fsdp["state"].values())
@@ -567,3 +570,191 @@ def test_weights_changed_outside_the_optimizer_step_get_fresh_gather_scales(one_
             outputs.append((first, model(x)))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+# ------------------------------------------------------------------- what an adversarial review found (one rank)
+
+
+def _twin_models(recipe, shard_children=True, plugin_kwargs=None):
+    """A model sharded with FP8 all-gather (children and root, or the root alone: FSDP2 then keeps its parameters
+    unsharded after forward) and the same model unsharded, each with its own plugin, set up as Lightning does."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    sharded, plain = (nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+    plain.load_state_dict(sharded.state_dict())
+    plugins = [lf.fabric.FP8Precision(recipe=recipe, **(plugin_kwargs or {})) for _ in range(2)]
+    lf.prepare_for_sharding(sharded, plugins[0])
+    if shard_children:
+        fully_shard(sharded[0]), fully_shard(sharded[2])
+    fully_shard(sharded)
+    plugins[0].convert_module(sharded)
+    plugins[1].convert_module(plain)
+    return (sharded, plugins[0]), (plain, plugins[1])
+
+
+def _weight_rows(model):
+    """Every FP8 layer's weight amax history and counters (what the statistics callback reads)."""
+    tables = lf.fp8_state_dict(model)["tables"]
+    return [(t["amax_history"][:, WEIGHT].clone(), t["counts"][:, WEIGHT].clone()) for t in tables]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("shard_children", [True, False])
+def test_evaluation_between_steps_keeps_fsdp2_runs_identical_to_unsharded(recipe, shard_children, one_rank_group):
+    """Validation between training steps (eval forwards under no_grad, twice), and two forwards before one backward:
+    with the root owning parameters FSDP2 keeps them unsharded after forward. The sharded run's losses, evaluation
+    outputs, weight statistics and scales are the unsharded run's, bit for bit (the eval forward must neither break
+    the next step's scale precompute nor swallow the next training step's weight statistics)."""
+    runs = []
+    for model, plugin in _twin_models(recipe, shard_children):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        seen = []
+        for _ in range(3):
+            model.eval()
+            for _ in range(2):
+                with torch.no_grad(), plugin.forward_context():
+                    seen.append(model(torch.randn(8, 32)))
+            model.train()
+            with plugin.forward_context():
+                loss = model(torch.randn(16, 32)).float().square().mean()
+                loss = loss + model(torch.randn(16, 32)).float().square().mean()
+            loss.backward()
+            plugin.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            seen.append(loss.detach())
+        runs.append((seen, _weight_rows(model)))
+    (seen_s, rows_s), (seen_p, rows_p) = runs
+    for a, b in zip(seen_s, seen_p):
+        assert torch.equal(a, b)
+    for (hist_s, counts_s), (hist_p, counts_p) in zip(rows_s, rows_p):
+        assert torch.equal(hist_s, hist_p) and torch.equal(counts_s, counts_p)
+        assert (hist_s[:, :3] > 0).all()  # every training step recorded the weights' amaxes
+
+
+def test_an_explicit_unshard_after_a_step_gathers_with_the_new_weights_scales(one_rank_group):
+    """``model.unshard()`` (FSDP2's API to gather ahead) between an optimizer step and the next forward: the gather
+    happens before the plugin's forward context, so the scales must be fresh as soon as the step ends."""
+    (sharded, plugin), (plain, plain_plugin) = _twin_models("tensorwise", shard_children=False)
+    x = torch.randn(8, 32)
+    outs = []
+    for model, p in ((sharded, plugin), (plain, plain_plugin)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # large steps: stale scales would show
+        seen = []
+        for step in range(3):
+            if model is sharded and step:
+                model.unshard()
+            with p.forward_context():
+                out = model(x)
+            out.float().square().sum().backward()
+            p.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            seen.append(out.detach())
+        outs.append(seen)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weights_swapped_through_data_for_evaluation_get_fresh_gather_scales(recipe, one_rank_group):
+    """An EMA / weight-averaging swap around validation writes the parameters through ``.data`` (Lightning's
+    WeightAveraging does), which moves no version counter: the evaluation forwards and the next training forward
+    gather with the scales of the weights they compute with, exactly as the unsharded model casts them."""
+    outs = []
+    for model, plugin in _twin_models(recipe):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        seen = []
+        for step in range(2):
+            with plugin.forward_context():
+                loss = model(torch.randn(16, 32)).float().square().mean()
+            loss.backward()
+            plugin.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            model.eval()
+            saved = [p.data.clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.data.copy_(p.data * 10)  # the averaged weights (amaxes 10x: stale scales saturate)
+            with torch.no_grad(), plugin.forward_context():
+                seen.append(model(torch.randn(8, 32)))
+            for p, s in zip(model.parameters(), saved):
+                p.data.copy_(s)
+            model.train()
+            with torch.no_grad(), plugin.forward_context():
+                seen.append(model(torch.randn(8, 32)))
+        outs.append(seen)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_empty_shards_gather_and_scale_without_crashing():
+    """FSDP2 chunks dim 0 into ceil(rows / ranks) rows, so on many ranks the last shards are empty: the scale
+    precompute gives them an amax of 0 (still one all-reduce entry each, so no rank waits alone), and their
+    pre-all-gather sends the padding only, with no statistics."""
+    spec = resolve_recipe("tensorwise").cast_specs().forward[WEIGHT]
+    full = FP8ShardedWeight(torch.randn(16, 32), spec)
+    empty = FP8ShardedWeight(torch.empty(0, 32), spec)
+    precompute_fp8_weight_scales([empty, full])
+    assert torch.equal(empty._scale, quantize(torch.zeros(1, 32), spec).scale)  # what an all-zero weight gets
+    assert torch.equal(full._scale, quantize(full._tensor, spec).scale)
+    mesh = SimpleNamespace(size=lambda: 32)
+    (data,), (dtype, scale, stats) = empty.fsdp_pre_all_gather(mesh, torch.Size([16, 32]), (32, 1), nn.Linear(32, 16), None)
+    assert data.shape == (1, 32) and data.dtype == torch.uint8 and stats is None and dtype == spec.dtype
+
+
+def test_a_shard_placement_other_than_dim_0_is_refused_clearly():
+    """FSDP2's ``shard_placement_fn`` may shard a weight on dim 1 (each rank then holds some columns); the FP8
+    all-gather pads and concatenates rows (dim 0), so such a shard is refused with the way out, not gathered wrong."""
+    spec = resolve_recipe("tensorwise").cast_specs().forward[WEIGHT]
+    columns = FP8ShardedWeight(torch.randn(64, 16), spec)
+    with pytest.raises(ValueError, match="sharded on dim 0.*Shard\\(1\\).*fp8_all_gather=False"):
+        columns.fsdp_pre_all_gather(SimpleNamespace(size=lambda: 2), torch.Size([64, 32]), (32, 1), nn.Linear(32, 64), None)
+
+
+def test_meta_device_initialisation_keeps_the_fp8_all_gather(one_rank_group):
+    """The recipe for large models: build on the meta device, prepare, shard, then ``to_empty`` and initialise. The
+    weights still gather in FP8 and the model computes as one initialised the same way without sharding."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plugin = lf.fabric.FP8Precision()
+    lf.prepare_for_sharding(model, plugin)
+    fully_shard(model[0]), fully_shard(model[2]), fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    plugin.convert_module(model)
+    assert all(isinstance(m.weight._local_tensor, FP8ShardedWeight) for m in (model[0], model[2]))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plain_plugin = lf.fabric.FP8Precision()
+    plain_plugin.convert_module(plain)
+    with torch.no_grad():
+        for a, b in zip(plain.parameters(), model.parameters()):
+            a.copy_(b.full_tensor())
+    x = torch.randn(8, 32)
+    with plugin.forward_context():
+        out = model(x)
+    with plain_plugin.forward_context():
+        ref = plain(x)
+    assert torch.equal(out, ref)
+
+
+def test_weights_replaced_after_preparation_warn_with_the_right_advice(one_rank_group):
+    """``load_state_dict(assign=True)`` on a prepared, sharded model replaces the FP8 all-gather weights with plain
+    ones: the plugin says so (not "call prepare_for_sharding", which was called), and the model still trains."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plugin = lf.fabric.FP8Precision()
+    lf.prepare_for_sharding(model, plugin)
+    fully_shard(model)
+    model.load_state_dict(model.state_dict(), assign=True)
+    with pytest.warns(UserWarning, match=r"2 FP8 layer\(s\) \(0, 2\) were prepared .* lost it afterwards.*assign"):
+        plugin.convert_module(model)
+    with plugin.forward_context():
+        out = model(torch.randn(8, 32))
+    assert torch.isfinite(out).all()

@@ -4,7 +4,8 @@ on gloo (or one process without a strategy: the reference).
 Usage: fsdp2_train.py OUT_DIR RECIPE MODE, MODE one of
   single     one process, batch 8: the reference losses and weights;
   fsdp2      2 processes (batch 4 each: the same global batches), float32 parameters: losses, weights, FP8 state of each
-             rank, then a distributed checkpoint after one epoch and an exact resume;
+             rank, then a distributed checkpoint after one epoch and an exact resume; validation every 2 steps (FSDP2
+             keeps the root's parameters, the LM head's among them, unsharded after an evaluation forward);
   tp         2 processes, tensor parallel 2 x data parallel 1: the MLPs column-wise / row-wise and the LM head
              column-wise (torch's ColwiseParallel / RowwiseParallel), then FSDP2 over the data-parallel mesh (FP8 all-gather
              on a 2-D mesh): losses and weights (the same batches on both ranks);
@@ -63,10 +64,16 @@ class ShardedDecoder(TinyDecoder):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(self, mesh=mesh, mp_policy=policy)
 
-    def train_dataloader(self):
+    def validation_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def val_dataloader(self):
+        return self.train_dataloader(n_data=16 * 32 + 1)
+
+    def train_dataloader(self, n_data=N_DATA):
         """Global batches of 8 in order: rank r of n gets windows r, r + n, ... (the single-process run sees the same
         global batches)."""
-        data = loader(n=N_DATA, batch_size=8).dataset
+        data = loader(n=n_data, batch_size=8).dataset
         if self.device_mesh is None:
             return torch.utils.data.DataLoader(data, batch_size=8)
         dp = self.device_mesh["data_parallel"]  # the tensor-parallel ranks see the same batches
@@ -79,15 +86,23 @@ class Record(L.Callback):
     """Per training step: the loss averaged over ranks (tensor-parallel ranks hold the same loss) and the bytes FSDP2's all-gathers moved."""
 
     def __init__(self):
-        self.losses, self.gathered = [], []
+        self.losses, self.gathered, self.val_losses = [], [], []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"].detach().clone()
+    @staticmethod
+    def mean(loss):
+        loss = loss.detach().clone()
         if dist.is_initialized():
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
-        self.losses.append(loss.item())
+        return loss.item()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(self.mean(outputs["loss"]))
         self.gathered.append(COUNTER[0])
+        COUNTER[0] = 0
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val_losses.append(self.mean(outputs))
         COUNTER[0] = 0
 
 
@@ -103,7 +118,8 @@ def counting_all_gather(output, input, *args, **kwargs):
 dist.all_gather_single = counting_all_gather  # FSDP2's default all-gather calls it by this name at each call
 
 
-def trainer(epochs, record, devices, tp=1, logger=False, callbacks=(), **kwargs):
+def trainer(epochs, record, devices, tp=1, logger=False, callbacks=(), validate=False, **kwargs):
+    kwargs.update(limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=0) if validate else kwargs.setdefault("limit_val_batches", 0)
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -137,8 +153,11 @@ def full_state(module):
 if mode == "single":
     record = Record()
     model = fresh(0)
-    trainer(2, record, 1).fit(model)
-    torch.save({"losses": record.losses, "state": full_state(model), "fp8": lf.fp8_state_dict(model)}, os.path.join(out_dir, "single.pt"))
+    trainer(2, record, 1, validate=True).fit(model)
+    torch.save(
+        {"losses": record.losses, "val_losses": record.val_losses, "state": full_state(model), "fp8": lf.fp8_state_dict(model)},
+        os.path.join(out_dir, "single.pt"),
+    )
 elif mode == "tp":
     record = Record()
     model = fresh(0)
@@ -177,28 +196,30 @@ else:
     record = Record()
     straight = fresh(0)
     csv = CSVLogger(out_dir, name="", version="")
-    t = trainer(2, record, 2, logger=csv, callbacks=[lf.FP8StatsCallback(log_every_n_steps=1, summary=False)], log_every_n_steps=1)
+    t = trainer(2, record, 2, logger=csv, callbacks=[lf.FP8StatsCallback(log_every_n_steps=1, summary=False)], log_every_n_steps=1, validate=True)
     t.fit(straight)
     rank = t.global_rank
-    weights = {n: type(m.weight._local_tensor).__name__ for n, m in straight.named_modules() if isinstance(m, lf.FP8Linear)}
+    # the local shard (the LM head, owned by the root, is held unsharded after the last validation forward)
+    weights = {n: type(lf.distributed.fp8_all_gather_shard(m)).__name__ for n, m in straight.named_modules() if isinstance(m, lf.FP8Linear)}
     torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{rank}.pt"))
     state = full_state(straight)
 
     first = fresh(0)
-    t = trainer(1, Record(), 2)
+    t = trainer(1, Record(), 2, validate=True)
     t.fit(first)
     ckpt = os.path.join(out_dir, "epoch1.ckpt")
     t.save_checkpoint(ckpt)  # a folder: torch.distributed.checkpoint shards + Lightning's metadata file
     first_state = full_state(first)
 
     resumed = fresh(1)  # another init: everything must come from the checkpoint
-    t = trainer(2, Record(), 2)
+    t = trainer(2, Record(), 2, validate=True)
     t.fit(resumed, ckpt_path=ckpt)
     resumed_state = full_state(resumed)
     if rank == 0:
         torch.save(
             {
                 "losses": record.losses,
+                "val_losses": record.val_losses,
                 "gathered": record.gathered,
                 "weight_types": weights,
                 "state": state,
