@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from lightning_fp8.distributed import all_reduce_pending_amax, world_size
+from lightning_fp8.distributed import all_reduce_pending_amax, reshard_fsdp_modules, world_size
 from lightning_fp8.region import fp8_region, in_inference_mode
 from lightning_fp8.state import STATE_FIELDS, FP8StateTable, state_tables
 
@@ -217,6 +218,7 @@ def calibrate_with(
                     table.roll()
                 count += 1
     finally:
+        reshard_fsdp_modules(module)  # FSDP2 holds the root's parameters gathered after a forward without backward
         for m, training in modes:
             m.training = training
         with torch.no_grad():
@@ -241,12 +243,22 @@ def _loss_tensor(loss: Any) -> Tensor:
 
 
 def _backward(loss: Any, loss_scale: Tensor | None, params: list[Tensor]) -> None:
-    """Backpropagate ``loss × loss_scale`` into nothing: the gradients of ``params`` are returned and dropped."""
+    """Backpropagate ``loss × loss_scale`` into nothing: the gradients of ``params`` are returned and dropped.
+
+    A sharded model (FSDP2: DTensor parameters) computes with the gathered parameters, which are not ``params``, so
+    ``torch.autograd.grad`` on ``params`` would run no backward at all: there the backward runs as in training (FSDP2
+    reduce-scatters the gradients into ``params``) and the parameters' gradients are put back as they were."""
     loss = _loss_tensor(loss)
     if not loss.requires_grad or not params:
         return
     if loss_scale is not None:
         loss = loss * loss_scale.to(loss.device)
+    if any(isinstance(p, DTensor) for p in params):
+        saved = [p.grad for p in params]
+        loss.reshape(()).backward()
+        for p, grad in zip(params, saved):
+            p.grad = grad
+        return
     torch.autograd.grad(loss.reshape(()), params, allow_unused=True)
 
 

@@ -232,7 +232,13 @@ class FP8ShardedWeight(Tensor):
                 "prepare_for_sharding(..., fp8_all_gather=False)."
             )
         module.__dict__["_fp8_gather_shard"] = self
-        spec, scale = self._spec, self._scale
+        owner = module.__dict__.get("_fp8_gather_plugin")  # the plugin that computes the shared scales
+        plugin = owner() if owner is not None else None
+        if plugin is not None:  # fresh scales (one all-reduce for all weights when they changed; every rank gathers)
+            plugin._gather_scales_for(module)
+        # a copy: the gathered weight (held by the layer, saved for its backward) keeps the scale it was cast with
+        # when a later precompute writes the shared one
+        spec, scale = self._spec, self._scale.clone()
         state = getattr(module, "fp8_state", None)  # None: the layer was switched to high precision
         if spec.scale_source == "history" and state is not None:
             table, index = state.table, state.index
@@ -398,6 +404,16 @@ def fp8_all_gather_shard(layer: nn.Module) -> FP8ShardedWeight | None:
     if isinstance(weight, FP8GatheredWeight):
         return layer.__dict__.get("_fp8_gather_shard")
     return None
+
+
+def reshard_fsdp_modules(module: nn.Module) -> None:
+    """Reshard every FSDP2 module of ``module`` that holds its gathered parameters (FSDP2 keeps the root's gathered
+    after a forward with no backward), so that the next forward gathers them again (a no-op for the others)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def fp8_all_gather_weights(module: nn.Module) -> list[FP8ShardedWeight]:

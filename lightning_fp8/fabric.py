@@ -83,6 +83,7 @@ from lightning_fp8.distributed import (
     enable_fp8_all_gather,
     gathers_fp8,
     precompute_fp8_weight_scales,
+    reshard_fsdp_modules,
     tied_parameters,
     world_size,
 )
@@ -157,7 +158,11 @@ def prepare_for_sharding(
     if not fp8_all_gather:
         plugin._fp8_all_gather_declined = True
         return []
-    return enable_fp8_all_gather(module)
+    names = enable_fp8_all_gather(module)
+    for name in names:  # FSDP2's pre-all-gather of these weights asks this plugin for their shared scales
+        module.get_submodule(name).__dict__["_fp8_gather_plugin"] = weakref.ref(plugin)
+    plugin._gather_layers = None  # collected again at the next gather
+    return names
 
 
 class FP8PrecisionBase(Precision):
@@ -289,9 +294,8 @@ class FP8PrecisionBase(Precision):
         self._warned_unprepared = False
         self._fp8_all_gather_declined = False  # prepare_for_sharding(fp8_all_gather=False): no warning
         self._gather_layers: list[nn.Module] | None = None  # layers whose weights FSDP2 gathers in FP8 (lazily)
-        self._gather_scales_stale = True
-        self._gather_seen: list[tuple[Tensor, int]] = []  # each gathered weight's parameter and version at the last precompute
-        self._gather_modes: tuple[bool, ...] = ()  # the models' training flags then
+        self._gather_set: set[int] = set()  # their id()s
+        self._gather_scales_stale = True  # an optimizer step, a set-up or a restore since the last precompute
         _PLUGINS[:] = [ref for ref in _PLUGINS if ref() is not None]
         _PLUGINS.append(weakref.ref(self))
 
@@ -533,36 +537,34 @@ class FP8PrecisionBase(Precision):
             )
 
     # ------------------------------------------------------------------ FSDP2 FP8 all-gather
-    def _precompute_gather_scales(self, force: bool = False) -> None:
-        """The whole-weight scales of the weights FSDP2 gathers in FP8, one all-reduce for all of them
-        (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`), when they may have changed: after each
-        optimizer step (``force``), and before a forward after a set-up, a restore, a switch between training and
-        evaluation (weights swapped in for validation through ``.data``, as weight averaging does, move no version
-        counter), or an in-place change of a parameter (``load_state_dict``: its version counter). Otherwise a flag test
-        and one look at each such parameter (host values, no device work).
+    def _gather_scales_for(self, layer: nn.Module) -> None:
+        """Called by FSDP2's pre-all-gather of ``layer``'s FP8 weight (through the layer, which names this plugin):
+        make sure the shared scales of the weights FSDP2 gathers in FP8 fit the weights. They are computed for all
+        such weights at once, one all-reduce (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`), at the
+        first gather after an optimizer step, a set-up or a restore (a flag), or when this layer changed since:
+        its parameter (a new one, or an in-place change such as ``load_state_dict``: its version counter) or its
+        training flag (weights swapped in for evaluation through ``.data``, as weight averaging does, move no version
+        counter). Otherwise a flag test and one look at the layer (host values, no device work).
 
-        Every rank decides the same way (the same steps, loads and mode switches run on all ranks), so every rank joins
-        the collective. A layer holding its gathered weight (FSDP2 keeps the root's parameters unsharded after forward;
-        ``unshard()``) is reached through the shard it was gathered from."""
+        The decision rests only on what every rank that gathers the layer shares (the steps, loads and mode switches
+        of a sharded model run on all its ranks), and it is taken where FSDP2 gathers, which all those ranks do
+        together, never in a forward that one rank may run alone; so every rank joins the collective. FSDP2's
+        ``unshard()`` ahead of the forward gets fresh scales too."""
         if self._gather_layers is None:  # the layers (FP8, or switched back to high precision) whose weights do
             self._gather_layers = [m for model in self.fp8_models for m in model.modules() if fp8_all_gather_shard(m) is not None]
+            self._gather_set = {id(m) for m in self._gather_layers}
             self._gather_scales_stale = True
-        if not self._gather_layers:
+        weight = layer.weight
+        seen = layer.__dict__.get("_fp8_gather_seen")
+        if not self._gather_scales_stale and seen is not None and seen[0] is weight and seen[1:] == (weight._version, layer.training):
             return
-        modes = tuple(model.training for model in self.fp8_models)
-        # the parameters themselves (in-place ops on a DTensor parameter bump its version counter, not the local
-        # shard's); held, not their id(), so that a new parameter at a recycled address is still a change
-        params = [m.weight for m in self._gather_layers]
-        seen = self._gather_seen
-        changed = force or self._gather_scales_stale or modes != self._gather_modes or len(seen) != len(params)
-        if not changed:
-            changed = any(p is not old or p._version != version for p, (old, version) in zip(params, seen))
-        if not changed:
-            return
-        shards = [fp8_all_gather_shard(m) for m in self._gather_layers]
+        layers = self._gather_layers if id(layer) in self._gather_set else [layer]  # a layer set up elsewhere: its own
+        shards = [fp8_all_gather_shard(m) for m in layers]
         precompute_fp8_weight_scales([w for w in shards if w is not None])
-        self._gather_scales_stale, self._gather_modes = False, modes
-        self._gather_seen = [(p, p._version) for p in params]
+        for m in layers:
+            m.__dict__["_fp8_gather_seen"] = (m.weight, m.weight._version, m.training)
+        if layers is self._gather_layers:
+            self._gather_scales_stale = False
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
@@ -647,7 +649,6 @@ class FP8PrecisionBase(Precision):
             return nullcontext()  # not set up yet
         self._switch_kept_layers()  # one flag test, unless a layer is waiting to be switched
         self.announce()
-        self._precompute_gather_scales()  # one flag test, except on the first forward after an optimizer step
         stack = ExitStack()
         stack.enter_context(torch.autocast(self._device().type, dtype=self.compute_dtype))
         stack.enter_context(fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval))
@@ -715,9 +716,7 @@ class FP8PrecisionBase(Precision):
         all_reduce_pending_amax(tables)
         for table in tables:
             table.roll()
-        if self._gather_layers is None or self._gather_layers:
-            # the weights changed: their FP8 all-gather scales now, before FSDP2 may gather ahead of the next forward
-            self._precompute_gather_scales(force=True)
+        self._gather_scales_stale = True  # the weights changed (and may change again through .data before the forward)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -800,6 +799,8 @@ class FP8PrecisionBase(Precision):
         # the saving rank twice, or losing the others (FP8Stats takes a new baseline from them).
         self._restore_counters = state_dict.get("world_size", 1) == 1 and world_size() == 1
         self._gather_scales_stale = True  # restored weights may come with the state
+        for model in self.fp8_models:  # weights FSDP2 holds gathered (the root's, after evaluation) were cast with
+            reshard_fsdp_modules(model)  # the scales before the restore: gather them again at the next forward
         kept = state_dict.get("high_precision_layers") or {}
         if kept:
             self.high_precision_layers.update(kept)

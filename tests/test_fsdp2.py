@@ -633,9 +633,9 @@ def test_evaluation_between_steps_keeps_fsdp2_runs_identical_to_unsharded(recipe
         assert (hist_s[:, :3] > 0).all()  # every training step recorded the weights' amaxes
 
 
-def test_an_explicit_unshard_after_a_step_gathers_with_the_new_weights_scales(one_rank_group):
-    """``model.unshard()`` (FSDP2's API to gather ahead) between an optimizer step and the next forward: the gather
-    happens before the plugin's forward context, so the scales must be fresh as soon as the step ends."""
+def test_an_explicit_unshard_gathers_with_the_weights_scales(one_rank_group):
+    """``model.unshard()`` (FSDP2's API to gather ahead) before the first forward and between an optimizer step and
+    the next forward: the gather happens before the plugin's forward context, and must still use fresh scales."""
     (sharded, plugin), (plain, plain_plugin) = _twin_models("tensorwise", shard_children=False)
     x = torch.randn(8, 32)
     outs = []
@@ -643,7 +643,7 @@ def test_an_explicit_unshard_after_a_step_gathers_with_the_new_weights_scales(on
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # large steps: stale scales would show
         seen = []
         for step in range(3):
-            if model is sharded and step:
+            if model is sharded:
                 model.unshard()
             with p.forward_context():
                 out = model(x)
@@ -758,3 +758,184 @@ def test_weights_replaced_after_preparation_warn_with_the_right_advice(one_rank_
     with plugin.forward_context():
         out = model(torch.randn(8, 32))
     assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------- a second adversarial review (one rank, 2 ranks)
+
+
+@pytest.mark.parametrize("change", ["clip", "scale"])
+def test_weights_changed_through_data_after_the_step_get_fresh_gather_scales(change, one_rank_group):
+    """WGAN weight clipping (``p.data.clamp_``) or a renormalisation through ``.data`` right after the optimizer step:
+    the next gather must cast with the changed weights' scales, as the unsharded layers cast them."""
+    outs = []
+    for model, plugin in _twin_models("tensorwise"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        seen = []
+        for _ in range(3):
+            with plugin.forward_context():
+                out = model(torch.randn(16, 32))
+            out.float().square().mean().backward()
+            plugin.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            for p in model.parameters():
+                p.data.clamp_(-0.05, 0.05) if change == "clip" else p.data.mul_(4.0)
+            seen.append(out.detach())
+        with plugin.forward_context():
+            seen.append(model(torch.randn(16, 32)).detach())
+        outs.append(seen)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_a_submodule_evaluated_alone_with_swapped_weights_gets_fresh_gather_scales(one_rank_group):
+    """Only a submodule is put in eval mode, and its weights swapped through ``.data``: the layer's own training flag
+    tells, and the shared scales change while earlier layers' FP8 weights are saved for their backward (each gather
+    keeps the scale it was cast with)."""
+    from torch.distributed.fsdp import fully_shard
+
+    class EncDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Sequential(nn.Linear(32, 64), nn.GELU()), nn.Sequential(nn.Linear(64, 32))
+
+        def forward(self, x):
+            return self.dec(self.enc(x))
+
+    torch.manual_seed(0)
+    sharded, plain = EncDec(), EncDec()
+    plain.load_state_dict(sharded.state_dict())
+    plugins = [lf.fabric.FP8Precision(), lf.fabric.FP8Precision()]
+    lf.prepare_for_sharding(sharded, plugins[0])
+    fully_shard(sharded.enc), fully_shard(sharded.dec), fully_shard(sharded)
+    plugins[0].convert_module(sharded), plugins[1].convert_module(plain)
+    outs = []
+    for model, plugin in zip((sharded, plain), plugins):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        seen = []
+        for _ in range(3):
+            with plugin.forward_context():
+                loss = model(torch.randn(16, 32)).float().square().mean()
+            loss.backward()
+            plugin.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            model.dec.eval()
+            saved = [p.data.clone() for p in model.dec.parameters()]
+            for p in model.dec.parameters():
+                p.data.mul_(3.0)
+            with torch.no_grad(), plugin.forward_context():
+                seen.append(model.dec(torch.randn(8, 64)))
+            for p, s in zip(model.dec.parameters(), saved):
+                p.data.copy_(s)
+            model.dec.train()
+            seen.append(loss.detach())
+        outs.append(seen)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_restoring_an_older_plugin_state_regathers_weights_held_by_the_root(one_rank_group):
+    """``delayed``: the root holds its gathered weights after an evaluation forward, cast with the history scale of
+    the moment; restoring an older plugin state must not leave them in use."""
+    outs = []
+    for model, plugin in _twin_models("delayed", shard_children=False):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch.manual_seed(1)
+        seen, older = [], None
+        for step in range(4):
+            if step == 1:
+                older = plugin.state_dict()
+            with plugin.forward_context():
+                out = model(torch.randn(16, 32))
+            out.float().square().mean().backward()
+            plugin.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            seen.append(out.detach())
+        model.eval()
+        with torch.no_grad(), plugin.forward_context():
+            seen.append(model(torch.randn(8, 32)))
+        model.train()
+        plugin.load_state_dict(older)
+        with plugin.forward_context():
+            seen.append(model(torch.randn(16, 32)).detach())
+        outs.append(seen)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8_all_gather", [True, False])
+def test_calibration_with_a_loss_runs_the_backward_of_a_sharded_model(fp8_all_gather, one_rank_group):
+    """``calibrate(..., loss_fn)`` under FSDP2: the parameters handed to the backward are the sharded ones, which the
+    graph does not hold; the grad_output histories must still fill as on the unsharded model, no gradient may be
+    left behind, and the root must not stay gathered (an optimizer created afterwards gets the sharded parameters)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    sharded, plain = (nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+    plain.load_state_dict(sharded.state_dict())
+    plugins = [lf.fabric.FP8Precision(recipe="delayed"), lf.fabric.FP8Precision(recipe="delayed")]
+    lf.prepare_for_sharding(sharded, plugins[0], fp8_all_gather=fp8_all_gather)
+    fully_shard(sharded[0]), fully_shard(sharded)  # the root owns the last layer
+    plugins[0].convert_module(sharded), plugins[1].convert_module(plain)
+    histories = []
+    for model, plugin in zip((sharded, plain), plugins):
+        torch.manual_seed(5)
+        batches = [torch.randn(16, 32) * (i + 1) for i in range(3)]
+        lf.calibrate(model, batches, lambda out, batch: out.float().square().mean(), precision=plugin)
+        histories.append(lf.fp8_state_dict(model)["tables"][0]["amax_history"])
+        assert all(p.grad is None for p in model.parameters())
+    assert (histories[1][:, GRAD_OUTPUT, :3] > 0).all()
+    assert torch.equal(histories[0], histories[1])
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+
+
+_ONE_RANK_EVALUATES = r'''
+import datetime, os, sys, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import lightning_fp8 as lf
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+sharded = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+probe = nn.Sequential(nn.Linear(32, 32))  # a second model set up with the same plugin, not sharded
+plugin = lf.fabric.FP8Precision()
+lf.prepare_for_sharding(sharded, plugin)
+fully_shard(sharded[0]), fully_shard(sharded[2]), fully_shard(sharded)
+plugin.convert_module(sharded), plugin.convert_module(probe)
+optimizer = torch.optim.SGD(sharded.parameters(), lr=1e-2)
+for step in range(3):
+    with plugin.forward_context():
+        out = sharded(torch.randn(8, 32))
+    plugin.backward(out.float().square().mean(), sharded)
+    plugin.optimizer_step(optimizer)
+    optimizer.zero_grad()
+    if rank == 0:  # rank-zero sampling / logging with another model: after a step, and with a mode switch
+        probe.eval()
+        with torch.no_grad(), plugin.forward_context():
+            probe(torch.randn(4, 32))
+        probe.train()
+dist.barrier()
+print("finished", rank)
+'''
+
+
+@pytest.mark.slow
+def test_one_rank_running_another_model_alone_does_not_hang_the_gather_scales(tmp_path):
+    """The scales' all-reduce is decided where FSDP2 gathers (every rank gathers), never in a forward that one rank
+    runs alone; 2 processes on gloo, a 60 s collective timeout turns a hang into a failure."""
+    script = tmp_path / "one_rank_evaluates.py"
+    script.write_text(_ONE_RANK_EVALUATES)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    store = tmp_path / "store"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(rank), str(store)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"finished {rank}" in out, err[-4000:]
