@@ -97,14 +97,24 @@ class Quantized(NamedTuple):
 def saturated_cast(x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """Cast an already-scaled float32 tensor to ``fp8_dtype``: finite values saturate, NaN/Inf -> NaN."""
     fp8_max = FP8_MAX[fp8_dtype]
-    # nan_to_num maps ±Inf to NaN (one pass; NaN survives the clamp), cheaper than isfinite + where.
     nan = float("nan")
+    if torch.compiler.is_compiling():
+        # the same bits in a form inductor vectorises on CPU (its nan_to_num tests each element for NaN in a scalar
+        # loop): every non-finite value becomes the positive NaN that nan_to_num writes (chosen after the clamp, whose
+        # vectorised form may flip a NaN's sign bit)
+        clamped = x_scaled.clamp(-fp8_max, fp8_max)
+        return torch.where(x_scaled.abs() < float("inf"), clamped, nan).to(fp8_dtype)
+    # nan_to_num maps ±Inf to NaN (one pass; NaN survives the clamp), cheaper than isfinite + where.
     return torch.nan_to_num(x_scaled, nan=nan, posinf=nan, neginf=nan).clamp(-fp8_max, fp8_max).to(fp8_dtype)
 
 
 #: The smallest magnitude byte (bits 0-6) of an FP8 NaN: E4M3 has one NaN pattern, E5M2 several (``0x7C`` is its
 #: infinity, which :func:`saturated_cast` never produces).
 _NAN_MAGNITUDE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7D}
+
+#: The largest float32 magnitude each format rounds to zero: half its smallest subnormal (2**-9 for E4M3, 2**-16 for
+#: E5M2), which round-to-nearest-even sends to 0 (the even neighbour); anything larger rounds to a non-zero value.
+_ZERO_BOUND = {torch.float8_e4m3fn: 2.0**-10, torch.float8_e5m2: 2.0**-17}
 
 
 def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bool = False) -> Tensor:
@@ -118,6 +128,8 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bo
     over float32 data.
     """
     fp8_max = FP8_MAX[data.dtype]
+    if torch.compiler.is_compiling():
+        return _cast_statistics_from_values(x, x_scaled, data.dtype)
     magnitude = data.view(torch.uint8) & 0x7F
     nonzero = x != 0
     if overflow_free:
@@ -128,6 +140,24 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bo
     return torch.stack(
         [torch.count_nonzero(nonzero), torch.count_nonzero(overflow), torch.count_nonzero(nonzero & (magnitude == 0))]
     )
+
+
+def _cast_statistics_from_values(x: Tensor, x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """:func:`cast_statistics` from the float32 ``x_scaled`` alone (the same counts), for ``torch.compile``: the cast,
+    the amax and the counts fuse into one loop that reads ``x`` once, and inductor vectorises comparisons of float
+    values but reads FP8 bytes one element at a time. Underflow: ``x != 0`` and ``|x * scale| <=`` half the format's
+    smallest subnormal (:data:`_ZERO_BOUND`), the values that round to ±0. Counted in int32 (half the vector width of
+    int64) below 2**31 elements."""
+    magnitude = x_scaled.abs()
+    nonzero = x != 0
+    count = torch.int32 if x.numel() < 2**31 else torch.int64
+    return torch.stack(
+        [
+            nonzero.sum(dtype=count),
+            (~(magnitude <= FP8_MAX[fp8_dtype])).sum(dtype=count),
+            (nonzero & (magnitude <= _ZERO_BOUND[fp8_dtype])).sum(dtype=count),
+        ]
+    ).to(torch.int64)
 
 
 def cast_with_statistics(

@@ -226,3 +226,42 @@ def test_count_shortcuts_equal_the_direct_formulas(dtype):
                 torch.count_nonzero((t != 0) & ((data.view(torch.uint8) & 0x7F) == 0)),
             ])  # fmt: skip
             assert torch.equal(cast_statistics(t, x_scaled, data, overflow_free), direct), (finite, float(scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_compiled_cast_and_counts_equal_the_eager_ones(dtype):
+    """Under torch.compile the cast and its counts take a form inductor vectorises (no FP8 byte reads, no scalar NaN
+    tests): FP8 bits and counts must be the eager ones exactly, on every bfloat16 bit pattern (zeros, subnormals, the
+    values around each format's rounding-to-zero bound, NaN, +-Inf) under several scales, a NaN scale included; and
+    the value form of the counts is checked eagerly against the byte form on float32 values at the bound."""
+    from lightning_fp8.quantize import _ZERO_BOUND, _cast_statistics_from_values
+
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bound = _ZERO_BOUND[dtype]
+    at_bound = torch.tensor([bound, -bound, bound * (1 + 2**-23), bound * (1 - 2**-24), bound * 3, bound / 3])
+    scales = [1.0, 448.0 / 3.0, 2.0**-20, 3.1e5, float("nan")]
+
+    def cast(x, scale, overflow_free):
+        x_scaled = x.to(torch.float32) * scale
+        data = saturated_cast(x_scaled, dtype)
+        return data, cast_statistics(x, x_scaled, data, overflow_free)
+
+    compiled = torch.compile(cast, backend="inductor", fullgraph=True, dynamic=False)
+    finite = every_bf16[torch.isfinite(every_bf16)]
+    own = lambda x: amax_to_scale(x.float().abs().amax(), FP8_MAX[dtype])  # noqa: E731
+    # overflow_free=True only where it holds: a scale from the tensor's own amax (NaN when the tensor holds a NaN)
+    cases = [(every_bf16, torch.tensor(v), False) for v in scales] + [(every_bf16, own(every_bf16), True), (finite, own(finite), True)]
+    for x, scale, overflow_free in cases:
+        data, counts = cast(x, scale, overflow_free)
+        c_data, c_counts = compiled(x, scale, overflow_free)
+        assert torch.equal(_bits(c_data), _bits(data)), (float(scale), overflow_free)
+        assert torch.equal(c_counts, counts), (float(scale), overflow_free, c_counts, counts)
+        assert counts.dtype == c_counts.dtype == torch.int64
+    for value in scales:
+        scale = torch.tensor(value, dtype=torch.float32)
+        x_scaled = at_bound.to(torch.float32) * scale
+        data = saturated_cast(x_scaled, dtype)
+        assert torch.equal(_cast_statistics_from_values(at_bound, x_scaled, dtype), cast_statistics(at_bound, x_scaled, data))
+    # the bound is exact: it rounds to zero, the next float32 above it does not
+    assert saturated_cast(torch.tensor([bound]), dtype).float().item() == 0.0
+    assert saturated_cast(torch.tensor([bound * (1 + 2**-23)]), dtype).float().item() > 0.0
