@@ -397,7 +397,7 @@ def enable_fp8_all_gather(module: nn.Module) -> list[str]:
 def fp8_all_gather_shard(layer: nn.Module) -> FP8ShardedWeight | None:
     """The local :class:`FP8ShardedWeight` shard of ``layer``'s weight: the weight itself while sharded, the shard
     FSDP2 last gathered from while the layer holds the gathered weight (FSDP2 keeps the root's parameters unsharded
-    after forward, and :meth:`FSDPModule.unshard` gathers ahead); ``None`` when the weight does not gather in FP8."""
+    after forward, and ``FSDPModule.unshard()`` gathers ahead); ``None`` when the weight does not gather in FP8."""
     weight = _local(getattr(layer, "weight", None))
     if isinstance(weight, FP8ShardedWeight):
         return weight
