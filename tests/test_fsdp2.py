@@ -404,11 +404,7 @@ def test_fsdp2_on_one_rank_trains_like_the_unsharded_model(one_rank_group):
             losses = []
             torch.manual_seed(1)
             for _ in range(3):
-                with plugin.forward_context():
-                    loss = model(torch.randn(16, 32)).float().square().mean()
-                loss.backward()
-                plugin.optimizer_step(optimizer)
-                optimizer.zero_grad()
+                loss = _train_step(model, plugin, optimizer, torch.randn(16, 32))
                 losses.append(loss.item())
             results.append((losses, lf.fp8_state_dict(model)))
         assert results[0][0] == results[1][0], recipe
@@ -593,6 +589,16 @@ def _twin_models(recipe, shard_children=True, plugin_kwargs=None):
     return (sharded, plugins[0]), (plain, plugins[1])
 
 
+def _train_step(model, plugin, optimizer, x):
+    """One training step as the plugin runs it: forward in its context, backward, optimizer step; the loss."""
+    with plugin.forward_context():
+        loss = model(x).float().square().mean()
+    loss.backward()
+    plugin.optimizer_step(optimizer)
+    optimizer.zero_grad()
+    return loss
+
+
 def _weight_rows(model):
     """Every FP8 layer's weight amax history and counters (what the statistics callback reads)."""
     tables = lf.fp8_state_dict(model)["tables"]
@@ -667,11 +673,7 @@ def test_weights_swapped_through_data_for_evaluation_get_fresh_gather_scales(rec
         torch.manual_seed(1)
         seen = []
         for step in range(2):
-            with plugin.forward_context():
-                loss = model(torch.randn(16, 32)).float().square().mean()
-            loss.backward()
-            plugin.optimizer_step(optimizer)
-            optimizer.zero_grad()
+            _train_step(model, plugin, optimizer, torch.randn(16, 32))
             model.eval()
             saved = [p.data.clone() for p in model.parameters()]
             for p in model.parameters():
@@ -815,11 +817,7 @@ def test_a_submodule_evaluated_alone_with_swapped_weights_gets_fresh_gather_scal
         torch.manual_seed(1)
         seen = []
         for _ in range(3):
-            with plugin.forward_context():
-                loss = model(torch.randn(16, 32)).float().square().mean()
-            loss.backward()
-            plugin.optimizer_step(optimizer)
-            optimizer.zero_grad()
+            loss = _train_step(model, plugin, optimizer, torch.randn(16, 32))
             model.dec.eval()
             saved = [p.data.clone() for p in model.dec.parameters()]
             for p in model.dec.parameters():
