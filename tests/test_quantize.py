@@ -228,15 +228,15 @@ def test_count_shortcuts_equal_the_direct_formulas(dtype):
             assert torch.equal(cast_statistics(t, x_scaled, data, overflow_free), direct), (finite, float(scale))
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_the_compiled_cast_and_counts_equal_the_eager_ones(dtype):
-    """Under torch.compile the cast and its counts take a form inductor vectorises (no FP8 byte reads, no scalar NaN
-    tests): FP8 bits and counts must be the eager ones exactly, on every bfloat16 bit pattern (zeros, subnormals, the
-    values around each format's rounding-to-zero bound, NaN, +-Inf) under several scales, a NaN scale included; and
-    the value form of the counts is checked eagerly against the byte form on float32 values at the bound."""
-    from lightning_fp8.quantize import _ZERO_BOUND, _cast_statistics_from_values
+_COMPILED_CAST_CHECK = r"""
+import sys
+import torch
+from lightning_fp8.quantize import _ZERO_BOUND, _cast_statistics_from_values, cast_statistics, saturated_cast
+from lightning_fp8.recipe import FP8_MAX, amax_to_scale
 
-    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+bits = lambda t: t.view(torch.uint8)
+every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
     bound = _ZERO_BOUND[dtype]
     at_bound = torch.tensor([bound, -bound, bound * (1 + 2**-23), bound * (1 - 2**-24), bound * 3, bound / 3])
     scales = [1.0, 448.0 / 3.0, 2.0**-20, 3.1e5, float("nan")]
@@ -248,14 +248,14 @@ def test_the_compiled_cast_and_counts_equal_the_eager_ones(dtype):
 
     compiled = torch.compile(cast, backend="inductor", fullgraph=True, dynamic=False)
     finite = every_bf16[torch.isfinite(every_bf16)]
-    own = lambda x: amax_to_scale(x.float().abs().amax(), FP8_MAX[dtype])  # noqa: E731
+    own = lambda x: amax_to_scale(x.float().abs().amax(), FP8_MAX[dtype])
     # overflow_free=True only where it holds: a scale from the tensor's own amax (NaN when the tensor holds a NaN)
     cases = [(every_bf16, torch.tensor(v), False) for v in scales] + [(every_bf16, own(every_bf16), True), (finite, own(finite), True)]
     for x, scale, overflow_free in cases:
         data, counts = cast(x, scale, overflow_free)
         c_data, c_counts = compiled(x, scale, overflow_free)
-        assert torch.equal(_bits(c_data), _bits(data)), (float(scale), overflow_free)
-        assert torch.equal(c_counts, counts), (float(scale), overflow_free, c_counts, counts)
+        assert torch.equal(bits(c_data), bits(data)), (dtype, float(scale), overflow_free)
+        assert torch.equal(c_counts, counts), (dtype, float(scale), overflow_free, c_counts, counts)
         assert counts.dtype == c_counts.dtype == torch.int64
     for value in scales:
         scale = torch.tensor(value, dtype=torch.float32)
@@ -265,3 +265,22 @@ def test_the_compiled_cast_and_counts_equal_the_eager_ones(dtype):
     # the bound is exact: it rounds to zero, the next float32 above it does not
     assert saturated_cast(torch.tensor([bound]), dtype).float().item() == 0.0
     assert saturated_cast(torch.tensor([bound * (1 + 2**-23)]), dtype).float().item() > 0.0
+print("compiled casts: bit-identical")
+"""
+
+
+def test_the_compiled_cast_and_counts_equal_the_eager_ones():
+    """Under torch.compile the cast and its counts take a form inductor vectorises (no FP8 byte reads, no scalar NaN
+    tests): FP8 bits and counts must be the eager ones exactly, for both formats, on every bfloat16 bit pattern
+    (zeros, subnormals, the values around each format's rounding-to-zero bound, NaN, +-Inf) under several scales, a
+    NaN scale included; and the value form of the counts is checked against the byte form at the bound. Run in a fresh
+    interpreter: in the full CI session (a fresh venv), inductor's C++ toolchain setup failed inside setuptools'
+    distutils shim (``assert '_distutils' in core.__file__``) after earlier tests; alone it passes (cause not pinned
+    down)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_CAST_CHECK], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "bit-identical" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
