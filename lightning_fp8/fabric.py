@@ -159,9 +159,7 @@ def prepare_for_sharding(
         plugin._fp8_all_gather_declined = True
         return []
     names = enable_fp8_all_gather(module)
-    for name in names:  # FSDP2's pre-all-gather of these weights asks this plugin for their shared scales
-        module.get_submodule(name).__dict__["_fp8_gather_plugin"] = weakref.ref(plugin)
-    plugin._gather_layers = None  # collected again at the next gather
+    plugin._own_gather_layers(module)  # before any gather: FSDP2's unshard() may gather ahead of the first forward
     return names
 
 
@@ -486,6 +484,7 @@ class FP8PrecisionBase(Precision):
                 "through ModelParallelStrategy instead (fully_shard in configure_model, after "
                 "lightning_fp8.prepare_for_sharding(self)); see the distributed page of the docs."
             )
+        self._own_gather_layers(module)  # layers wrapped for FP8 all-gather without prepare_for_sharding too
         unprepared, replaced = [], []
         tied = tied_parameters(module)
         for name, layer in fp8_layers(module):
@@ -537,6 +536,15 @@ class FP8PrecisionBase(Precision):
             )
 
     # ------------------------------------------------------------------ FSDP2 FP8 all-gather
+    def _own_gather_layers(self, module: nn.Module) -> None:
+        """Name this plugin on every layer of ``module`` whose weight FSDP2 gathers in FP8: its pre-all-gather then
+        asks this plugin for the shared scales (:meth:`_gather_scales_for`); they are collected again at the next
+        gather."""
+        for layer in module.modules():
+            if fp8_all_gather_shard(layer) is not None:
+                layer.__dict__["_fp8_gather_plugin"] = weakref.ref(self)
+                self._gather_layers = None
+
     def _gather_scales_for(self, layer: nn.Module) -> None:
         """Called by FSDP2's pre-all-gather of ``layer``'s FP8 weight (through the layer, which names this plugin):
         make sure the shared scales of the weights FSDP2 gathers in FP8 fit the weights. They are computed for all

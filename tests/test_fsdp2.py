@@ -937,3 +937,27 @@ def test_one_rank_running_another_model_alone_does_not_hang_the_gather_scales(tm
     outputs = [p.communicate(timeout=300) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0 and f"finished {rank}" in out, err[-4000:]
+
+
+def test_layers_wrapped_without_prepare_for_sharding_still_get_their_scales(one_rank_group):
+    """``enable_fp8_all_gather`` called directly (not through ``prepare_for_sharding``): the plugin finds the wrapped
+    layers when it checks the sharded model, so their gathers use computed scales, as the unsharded layers' casts."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    sharded, plain = (nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+    plain.load_state_dict({k: v * 10 for k, v in sharded.state_dict().items()})  # amaxes far from a unit scale's
+    sharded.load_state_dict(plain.state_dict())
+    plugins = [lf.fabric.FP8Precision(), lf.fabric.FP8Precision()]
+    plugins[0].convert_module(sharded)
+    assert enable_fp8_all_gather(sharded) == ["0", "2"]
+    fully_shard(sharded[0]), fully_shard(sharded[2]), fully_shard(sharded)
+    plugins[0].convert_module(sharded)
+    plugins[1].convert_module(plain)
+    outs = []
+    for model, plugin in zip((sharded, plain), plugins):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        outs.append([_train_step(model, plugin, optimizer, torch.randn(16, 32)).detach() for _ in range(3)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
