@@ -621,6 +621,9 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--sizes", args.sizes]
     if args.no_compile:
         parts.append("--no-compile")
+    for flag, value in (("--kinds", args.kinds), ("--compile-kinds", args.compile_kinds)):
+        if value:
+            parts += [flag, value]
     for flag, value, default in (("--threads", args.threads, 0), ("--warmup", args.warmup, 3), ("--reps", args.reps, 11),
                                  ("--compile-budget", args.compile_budget, COMPILE_BUDGET_S),
                                  ("--backend", args.backend, "inductor")):
@@ -637,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="", help=f"comma-separated sizes of {', '.join(SIZES)} "
                                                    f"(default {','.join(DEFAULT_SIZES)})")
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
+    parser.add_argument("--kinds", default="", help=f"comma-separated variants of {', '.join(KINDS)} (default: all)")
+    parser.add_argument("--compile-kinds", default="",
+                        help="comma-separated variants to compile too (default: all of --kinds, in the order "
+                             f"{', '.join(COMPILE_ORDER)})")
     parser.add_argument("--compile-budget", type=float, default=COMPILE_BUDGET_S,
                         help="compile seconds per size after which the remaining compiled variants are skipped "
                              f"(default {COMPILE_BUDGET_S:.0f})")
@@ -662,6 +669,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SIZES]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
+    kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
+    compile_kinds = tuple(args.compile_kinds.split(",")) if args.compile_kinds else None
+    bad = [k for k in kinds + (compile_kinds or ()) if k not in KINDS]
+    if bad or any(k not in kinds for k in compile_kinds or ()):
+        parser.error(f"unknown or unselected variant(s) {bad or list(compile_kinds or ())}; choose from {list(KINDS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     env = harness.environment(args.device)
@@ -670,8 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f} s] {message}", file=sys.stderr, flush=True)
 
-    data = run([SIZES[n] for n in names], KINDS, args.device, None if args.no_compile else args.backend, args.warmup,
-               args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log)
+    data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend, args.warmup,
+               args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log, compile_kinds)
     data["total_s"] = time.perf_counter() - t_start
     harness.write_result(args.json, env, command_line(args), **data)
     with open(args.json) as f:
