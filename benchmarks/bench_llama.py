@@ -417,8 +417,13 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
     # warm-up: eager variants, then each compiled one (compiled while it warms up, within the budget)
     for kind, step in list(steps.items()):
         log(f"{size.name}: warm-up {kind}")
-        for _ in range(warmup):
-            step()
+        try:
+            for _ in range(warmup):
+                step()
+        except Exception as err:  # noqa: BLE001 - report it, do not abort the run
+            results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            log(f"{size.name}: {kind} {results[kind]['status']}")
+            del steps[kind], variants[kind]
     spent = 0.0
     for kind in compile_kinds:
         key = f"{kind}+compile"

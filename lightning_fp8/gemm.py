@@ -303,14 +303,23 @@ def _native_block_scale(inv: Tensor, kind: str, operand: str, k_blocks: int) -> 
 
 
 def check_block_scaled_mm_contract(
-    a: Tensor, b: Tensor, scale_a: Tensor, kind_a: str, scale_b: Tensor, kind_b: str, out_dtype: torch.dtype
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    kind_a: str,
+    scale_b: Tensor,
+    kind_b: str,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
 ) -> None:
     """Assert the CUDA block-scaled GEMM's operand contract (metadata only) on operands and *kernel-layout* scales.
 
     ``kind_a``/``kind_b``: ``"1x128"``, ``"128x128"`` or ``"1x32"``. Checks what PyTorch's CUDA kernels check: the
     pair of scalings, the operand layouts and dtypes, and the scales' dtype, shape and strides (DeepSeek-style
     float32 scales: outer-dimension-major, the 128x128 ones padded to a multiple of 4 K-blocks; MX: E8M0,
-    swizzled, ``round_up(rows, 128) * round_up(K / 32, 4)`` elements, contiguous).
+    swizzled, ``round_up(rows, 128) * round_up(K / 32, 4)`` elements, contiguous); ``use_fast_accum``, the flag
+    the kernel would get: the 1x128 and 128x128 scalings refuse fast accumulation (cuBLAS's DeepSeek-style
+    kernels accumulate in full float32).
     """
 
     def fail(msg: str) -> None:
@@ -337,6 +346,8 @@ def check_block_scaled_mm_contract(
         return
     if a.dtype != E4M3 or b.dtype != E4M3:
         fail("1x128 / 128x128 block scaling needs E4M3 operands")
+    if use_fast_accum:
+        fail("1x128 / 128x128 block scaling does not support fast accumulation")
     k_blocks = -(-k // BLOCKWISE_TILE)
     for name, scale, kind, outer in (("scale_a", scale_a, kind_a, m), ("scale_b", scale_b, kind_b, n)):
         if scale.dtype != torch.float32:
@@ -375,7 +386,12 @@ def fp8_block_mm(
     ``a`` (M, K) row-major with quantization scales ``(ceil(M / bm), ceil(K / bk))`` for ``block_a = (bm, bk)``;
     ``b`` (K, N) column-major with scales ``(ceil(K / bk), ceil(N / bn))`` for ``block_b = (bk, bn)``. K is
     zero-padded to whole blocks and N to a multiple of 16; the result is sliced back.
+
+    ``use_fast_accum`` is accepted for symmetry with :func:`fp8_mm` and not passed on: CUDA's 1x128 / 128x128
+    kernels refuse fast accumulation, and the MX kernel is run without it; block-scaled GEMMs always accumulate in
+    full float32, as their emulation does.
     """
+    del use_fast_accum  # see the docstring
     kind_a, kind_b = _scaling_kind(block_a, "a"), _scaling_kind(block_b, "b")
     tile_k = block_a[1]
     if block_b[0] != tile_k:
@@ -392,7 +408,8 @@ def fp8_block_mm(
     k_blocks = a.shape[1] // tile_k
     native_a = _native_block_scale(inv_a, kind_a, "a", k_blocks)
     native_b = _native_block_scale(inv_b, kind_b, "b", k_blocks)
-    check_block_scaled_mm_contract(a, b, native_a, kind_a, native_b, kind_b, out_dtype)
+    fast = False  # the flag the kernel gets (see the docstring); the contract check refuses True for 1x128 / 128x128
+    check_block_scaled_mm_contract(a, b, native_a, kind_a, native_b, kind_b, out_dtype, fast)
     recipe = "mxfp8" if kind_a == "1x32" else "blockwise"
     if gemm_path(a.device, recipe) == "native":
         assert _PUBLIC_SCALED_MM is not None and _ScalingType is not None and _SwizzleType is not None
@@ -400,7 +417,7 @@ def fp8_block_mm(
         swizzle = _SwizzleType.SWIZZLE_32_4_4 if kind_a == "1x32" else None  # DeepSeek-style scales: not swizzled
         out = _PUBLIC_SCALED_MM(
             a, b, native_a, types[kind_a], native_b, types[kind_b], swizzle_a=swizzle, swizzle_b=swizzle,
-            output_dtype=out_dtype, use_fast_accum=use_fast_accum and kind_a != "1x32",
+            output_dtype=out_dtype, use_fast_accum=fast,
         )
     else:
         with torch.autocast(a.device.type, enabled=False):

@@ -152,9 +152,9 @@ def test_contract_checked_on_every_gemm_of_a_block_scaled_layer(monkeypatch, rec
     calls = []
     original = gemm.check_block_scaled_mm_contract
 
-    def counting(a, b, scale_a, kind_a, scale_b, kind_b, out_dtype):
+    def counting(a, b, scale_a, kind_a, scale_b, kind_b, out_dtype, use_fast_accum=False):
         calls.append((kind_a, kind_b, a.dtype, b.dtype, scale_a.dtype, out_dtype))
-        original(a, b, scale_a, kind_a, scale_b, kind_b, out_dtype)
+        original(a, b, scale_a, kind_a, scale_b, kind_b, out_dtype, use_fast_accum)
 
     monkeypatch.setattr(gemm, "check_block_scaled_mm_contract", counting)
     k = shape[-1]
@@ -206,6 +206,17 @@ def test_block_contract_rejects_what_the_cuda_kernel_rejects(make, message):
     a, b = _operands()
     with pytest.raises(ScaledMMContractError, match=message):
         check_block_scaled_mm_contract(*make(a, b), torch.bfloat16)
+
+
+def test_block_contract_rejects_fast_accumulation():
+    """CUDA's 1x128 and 128x128 scalings refuse ``use_fast_accum`` (seen on an H200: the blockwise layer's forward
+    raised "scaled_gemm doesn't support fast accum with 128x128 blockwise scaling")."""
+    a, b = _operands()
+    sa, sb = torch.ones(2, 256).t(), torch.ones(2, 4).t()
+    check_block_scaled_mm_contract(a, b, sa, "1x128", sb, "128x128", torch.bfloat16, use_fast_accum=False)
+    for kind_b, scale_b in (("128x128", sb), ("1x128", torch.ones(2, 256).t())):
+        with pytest.raises(ScaledMMContractError, match="does not support fast accumulation"):
+            check_block_scaled_mm_contract(a, b, sa, "1x128", scale_b, kind_b, torch.bfloat16, use_fast_accum=True)
 
 
 def test_mx_scales_are_swizzled_as_cublas_reads_them():
