@@ -221,13 +221,10 @@ def fp8_mm(
     inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
     check_scaled_mm_contract(a, b, inv_a, inv_b, out_dtype)
     if gemm_path(a.device) == "native":
-        if _PUBLIC_SCALED_MM is not None and _ScalingType is not None:
-            kind = _ScalingType.TensorWise if inv_a.numel() == 1 and inv_b.numel() == 1 else _ScalingType.RowWise
-            out = _PUBLIC_SCALED_MM(
-                a, b, inv_a, kind, inv_b, kind, output_dtype=out_dtype, use_fast_accum=use_fast_accum
-            )
-        else:
-            out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        # torch._scaled_mm, not the public F.scaled_mm: the same cuBLAS kernel, and torch.compile traces it on every
+        # torch version (F.scaled_mm calls torch._scaled_mm_v2, which dynamo of torch 2.11 cannot trace: a graph
+        # break per GEMM, seen on an H200); torchao's Float8Linear calls it too.
+        out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     else:
         out = emulated_scaled_mm(a, b, inv_a, inv_b, out_dtype)
     return out[:, :n] if out.shape[1] != n else out
@@ -348,6 +345,12 @@ def check_block_scaled_mm_contract(
         fail("1x128 / 128x128 block scaling needs E4M3 operands")
     if use_fast_accum:
         fail("1x128 / 128x128 block scaling does not support fast accumulation")
+    # cuBLAS answered CUBLAS_STATUS_NOT_SUPPORTED for a 1x128 x 128x128 GEMM with M=91, N=304 on an H200 (CUDA 13.0)
+    # and ran the aligned shapes: fp8_block_mm pads M to a multiple of 16 and a 128x128-scaled b to whole tiles
+    if m % 16:
+        fail("M must be a multiple of 16 (fp8_block_mm pads it)")
+    if kind_b == "128x128" and n % BLOCKWISE_TILE:
+        fail(f"N of a 128x128-scaled b must be a multiple of {BLOCKWISE_TILE} (fp8_block_mm pads it)")
     k_blocks = -(-k // BLOCKWISE_TILE)
     for name, scale, kind, outer in (("scale_a", scale_a, kind_a, m), ("scale_b", scale_b, kind_b, n)):
         if scale.dtype != torch.float32:
@@ -396,10 +399,15 @@ def fp8_block_mm(
     tile_k = block_a[1]
     if block_b[0] != tile_k:
         raise ScaledMMContractError(f"the operands' blocks {block_a} and {block_b} do not share a K-block size")
-    k, n = b.shape
-    pad_k, pad_n = -k % tile_k, -n % 16
-    if pad_k:
-        a = _pad_fp8(a, 0, pad_k)
+    (m, _), (k, n) = a.shape, b.shape
+    deepseek = kind_a != "1x32"
+    # DeepSeek-style pairs: M to a multiple of 16, and N of a 128x128-scaled b to whole tiles (see the contract)
+    pad_m = -m % 16 if deepseek else 0
+    pad_k, pad_n = -k % tile_k, -n % (BLOCKWISE_TILE if kind_b == "128x128" else 16)
+    if pad_k or pad_m:
+        a = _pad_fp8(a, pad_m, pad_k)
+        if block_a[0] == 1 and pad_m:
+            scale_a = F.pad(scale_a, (0, 0, 0, pad_m), value=1.0)
     if pad_k or pad_n:
         b = _pad_fp8(b.t(), pad_n, pad_k).t()
         if block_b[1] == 1 and pad_n:
@@ -412,14 +420,34 @@ def fp8_block_mm(
     check_block_scaled_mm_contract(a, b, native_a, kind_a, native_b, kind_b, out_dtype, fast)
     recipe = "mxfp8" if kind_a == "1x32" else "blockwise"
     if gemm_path(a.device, recipe) == "native":
-        assert _PUBLIC_SCALED_MM is not None and _ScalingType is not None and _SwizzleType is not None
-        types = {"1x128": _ScalingType.BlockWise1x128, "128x128": _ScalingType.BlockWise128x128, "1x32": _ScalingType.BlockWise1x32}
-        swizzle = _SwizzleType.SWIZZLE_32_4_4 if kind_a == "1x32" else None  # DeepSeek-style scales: not swizzled
-        out = _PUBLIC_SCALED_MM(
-            a, b, native_a, types[kind_a], native_b, types[kind_b], swizzle_a=swizzle, swizzle_b=swizzle,
-            output_dtype=out_dtype, use_fast_accum=fast,
-        )
+        assert _block_scaled_mm_op is not None
+        out = _block_scaled_mm_op(a, b, native_a, kind_a, native_b, kind_b, out_dtype)
     else:
         with torch.autocast(a.device.type, enabled=False):
             out = (dequantize_blocks(a, inv_a, block_a) @ dequantize_blocks(b, inv_b, block_b)).to(out_dtype)
-    return out[:, :n] if out.shape[1] != n else out
+    return out[:m, :n] if out.shape != (m, n) else out
+
+
+def _block_scaled_mm(
+    a: Tensor, b: Tensor, scale_a: Tensor, kind_a: str, scale_b: Tensor, kind_b: str, out_dtype: torch.dtype
+) -> Tensor:
+    """The native block-scaled GEMM: ``F.scaled_mm`` on kernel-layout decoding scales, without fast accumulation."""
+    assert _PUBLIC_SCALED_MM is not None and _ScalingType is not None and _SwizzleType is not None
+    types = {"1x128": _ScalingType.BlockWise1x128, "128x128": _ScalingType.BlockWise128x128, "1x32": _ScalingType.BlockWise1x32}
+    swizzle = _SwizzleType.SWIZZLE_32_4_4 if kind_a == "1x32" else None  # DeepSeek-style scales: not swizzled
+    return _PUBLIC_SCALED_MM(
+        a, b, scale_a, types[kind_a], scale_b, types[kind_b], swizzle_a=swizzle, swizzle_b=swizzle,
+        output_dtype=out_dtype, use_fast_accum=False,
+    )
+
+
+#: :func:`_block_scaled_mm` as a custom operator: ``torch.compile`` keeps it in the graph as one opaque node (dynamo
+#: of torch 2.11 cannot trace ``F.scaled_mm``'s ``torch._scaled_mm_v2``: a graph break per GEMM), on every version
+#: that has the public API; ``None`` where torch has none (the block recipes then run emulated).
+_block_scaled_mm_op = None
+if _PUBLIC_SCALED_MM is not None:
+    _block_scaled_mm_op = torch.library.custom_op("lightning_fp8::block_scaled_mm", mutates_args=())(_block_scaled_mm)
+
+    @_block_scaled_mm_op.register_fake
+    def _(a, b, scale_a, kind_a, scale_b, kind_b, out_dtype):
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)

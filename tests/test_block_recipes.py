@@ -208,6 +208,19 @@ def test_block_contract_rejects_what_the_cuda_kernel_rejects(make, message):
         check_block_scaled_mm_contract(*make(a, b), torch.bfloat16)
 
 
+def test_block_contract_rejects_the_shapes_cublas_refused():
+    """M=91 and a 128x128-scaled N=304 (cuBLAS: CUBLAS_STATUS_NOT_SUPPORTED on an H200): fp8_block_mm pads them, so
+    the odd-shape layer tests pass this check on every GEMM."""
+    sa, sb = torch.ones(2, 256).t(), torch.ones(2, 4).t()
+    a, b = _operands(m=91)
+    with pytest.raises(ScaledMMContractError, match="M must be a multiple of 16"):
+        check_block_scaled_mm_contract(a, b, torch.ones(2, 91).t(), "1x128", sb, "128x128", torch.bfloat16)
+    a, b = _operands(n=304)
+    with pytest.raises(ScaledMMContractError, match="multiple of 128"):
+        check_block_scaled_mm_contract(a, b, sa, "1x128", torch.ones(3, 4).t(), "128x128", torch.bfloat16)
+    check_block_scaled_mm_contract(a, b, sa, "1x128", torch.ones(304, 2).t().contiguous().t(), "1x128", torch.bfloat16)
+
+
 def test_block_contract_rejects_fast_accumulation():
     """CUDA's 1x128 and 128x128 scalings refuse ``use_fast_accum`` (seen on an H200: the blockwise layer's forward
     raised "scaled_gemm doesn't support fast accum with 128x128 blockwise scaling")."""

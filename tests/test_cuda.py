@@ -119,6 +119,23 @@ def test_native_gemms_match_the_emulation(recipe, shape, monkeypatch):
     assert all(math.isfinite(e) and e < 1e-2 for e in errors.values()), errors
 
 
+@needs_fp8_hardware
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_native_layers_compile_without_graph_breaks(recipe):
+    """``torch.compile(fullgraph=True)`` (which raises at any graph break) through the native GEMMs, forward and
+    backward: on torch 2.11 ``F.scaled_mm`` broke the graph at every GEMM (47 breaks in the Llama benchmark)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    lf.convert_to_fp8(model, recipe=recipe, log_summary=False)
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16), lf.fp8_autocast():
+        out = compiled(x)
+    out.float().square().mean().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+
+
 # ------------------------------------------------------------------------------- Triton casts, compiled
 
 
