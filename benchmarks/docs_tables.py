@@ -16,8 +16,8 @@ Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.js
 ``results/core_instructions.json`` (callgrind counts of ``layer_overhead_workload.py``),
 ``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config),
 ``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16),
-``results/llama.json`` (``bench_llama.py``: Llama-style decoder blocks under bf16, torchao and every recipe, eager
-and compiled).
+``results/llama.json`` and ``results/llama_gpu.json`` (``bench_llama.py`` on this CPU and on an H200: Llama-style
+decoder blocks under bf16, torchao and every recipe, eager and compiled).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def caption(env: dict[str, str], command: str, emulated_note: str | None = None)
     if load and cores and float(load.split()[0]) > int(cores.group(0)) / 2:
         busy = (f" The machine was busy (load average {load.split()[0]} on {cores.group(0)} CPUs): wall-clock "
                 "ratios are noisy.")
+    device = env.get("device", "")
+    if device.startswith("cuda"):  # a GPU run: the GPU first, the host after it
+        cpu = f"{device.split(': ', 1)[-1]}, host {cpu}"
     return (f"*Measured {env.get('date', '?')} on {cpu}, {env.get('cores', '?')}; {versions}; "
             f"`{command}`. {what}.{busy}*")
 
@@ -790,6 +793,10 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_memory.md": llama_memory,
     "llama_compile.md": llama_compile,
     "llama_targets.md": llama_targets,
+    "llama_gpu_step_time.md": lambda: llama_step_time(load("llama_gpu.json")),
+    "llama_gpu_memory.md": lambda: llama_memory(load("llama_gpu.json")),
+    "llama_gpu_compile.md": lambda: llama_compile(load("llama_gpu.json")),
+    "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
     "fsdp2_all_gather.md": fsdp2_all_gather,
 }
 

@@ -1,9 +1,11 @@
-"""FP8 x FP8 -> high-precision GEMM: ``torch.nn.functional.scaled_mm`` on FP8 hardware, exact emulation elsewhere.
+"""FP8 x FP8 -> high-precision GEMM: PyTorch's scaled GEMMs on FP8 hardware, exact emulation elsewhere.
 
-The native path calls PyTorch's public ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm`` on a torch
-without it) with the scaling type of the recipe: ``TensorWise``, ``RowWise``, ``BlockWise1x128`` /
-``BlockWise128x128`` (``blockwise``; CUDA compute capability 9.x and CUDA 12.9+, as PyTorch's kernel
-requires) or ``BlockWise1x32`` with swizzled E8M0 scales (``mxfp8``; compute capability 10.0+).
+The native path calls ``torch._scaled_mm`` for per-tensor and row-wise scaling: the cuBLAS kernel behind the public
+``torch.nn.functional.scaled_mm``, which ``torch.compile`` traces on every torch version (dynamo of torch 2.11 cannot
+trace the public function's ``torch._scaled_mm_v2``: a graph break per GEMM, seen on an H200). Block scaling needs
+the public API: ``BlockWise1x128`` / ``BlockWise128x128`` (``blockwise``; CUDA compute capability 9.x and CUDA
+12.9+, as PyTorch's kernel requires) or ``BlockWise1x32`` with swizzled E8M0 scales (``mxfp8``; compute capability
+10.0+), called through a custom operator so that a compiled graph keeps it as one node.
 :func:`gemm_path` says which path a recipe takes on a device.
 
 Operands follow ``torch._scaled_mm``'s contract (the *CUDA* one, which is stricter than the CPU
@@ -111,10 +113,11 @@ def gemm_path(device: torch.device | str, recipe: str = "tensorwise") -> GemmPat
 def describe_gemm_path(device: torch.device | str, recipe: str = "tensorwise") -> str:
     """One human-readable line naming the GEMM path of ``recipe`` on ``device``."""
     device = torch.device(device)
-    api = "torch.nn.functional.scaled_mm" if _PUBLIC_SCALED_MM is not None else "torch._scaled_mm"
+    block = recipe in ("blockwise", "mxfp8")
+    api = "torch.nn.functional.scaled_mm" if block else "torch._scaled_mm"
     if gemm_path(device, recipe) == "native":
         return f"native FP8 GEMM ({api}) on {device}"
-    if recipe in ("blockwise", "mxfp8"):
+    if block:
         need = "compute capability 9.x and CUDA 12.9+" if recipe == "blockwise" else "compute capability 10.0+"
         return (
             f"emulated block-scaled FP8 GEMM on {device} (the FP8 casts as on FP8 hardware; each operand dequantized "

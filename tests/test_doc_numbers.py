@@ -57,7 +57,9 @@ def test_every_table_is_included_and_says_where_it_was_measured():
     for name, text in docs_tables.render_all().items():
         head = text.splitlines()[0]
         assert head.startswith("*Measured ") and " on " in head and "torch " in head, (name, head)
-        if "cpu" in head.lower() and "callgrind" not in head:
+        if "native FP8 GEMMs" in head:  # a GPU run: it must name the GPU and the CUDA version
+            assert " on NVIDIA " in head and "CUDA " in head, f"{name}: a native figure must name its GPU: {head}"
+        elif "cpu" in head.lower() and "callgrind" not in head:
             assert "emulated" in head, f"{name}: a CPU figure must say the FP8 GEMMs were emulated: {head}"
 
 
