@@ -35,7 +35,7 @@ operand in float32 (``fp8 * (1 / scale)`` per block: exact for the power-of-two 
 float32 rounding per element for float32 ``blockwise`` scales) and multiplies in float32, then rounds once
 to bfloat16 (the block kernels' output dtype). The operands are padded along K to whole blocks and the
 scales are laid out as the CUDA kernel wants them (column-major, padded, swizzled, E8M0) on every device,
-so :func:`check_scaled_mm_contract` checks on the CPU what the kernel would reject.
+so :func:`check_block_scaled_mm_contract` checks on the CPU what the kernel would reject.
 """
 
 from __future__ import annotations
@@ -296,8 +296,10 @@ def _native_block_scale(inv: Tensor, kind: str, operand: str, k_blocks: int) -> 
         return inv.new_empty(inv.shape[1], inv.shape[0]).copy_(inv.t()).t()
     if kind == "128x128":
         rows = _round_up(k_blocks, 4)
-        padded = F.pad(inv, (0, rows - inv.shape[1]), value=1.0).contiguous()  # (outer-blocks, round_up(K-blocks, 4))
-        return padded.t()  # (round_up(K-blocks, 4), outer-blocks), strides (1, round_up(K-blocks, 4))
+        padded = F.pad(inv, (0, rows - inv.shape[1]), value=1.0)  # (outer-blocks, round_up(K-blocks, 4))
+        # (round_up(K-blocks, 4), outer-blocks), strides (1, round_up(K-blocks, 4)) exactly: for one outer block and
+        # no K padding, padded.contiguous().t() would keep the strides (1, 1) of b's transposed (K-blocks, 1) scales
+        return inv.new_empty(padded.shape).copy_(padded).t()
     # 1x32: E8M0, swizzled
     assert E8M0 is not None
     return swizzle_mx_scales(inv).to(E8M0)
@@ -355,6 +357,9 @@ def check_block_scaled_mm_contract(
         fail("M must be a multiple of 16 (fp8_block_mm pads it)")
     if kind_b == "128x128" and n % BLOCKWISE_TILE:
         fail(f"N of a 128x128-scaled b must be a multiple of {BLOCKWISE_TILE} (fp8_block_mm pads it)")
+    # the same for a 128x128-scaled a (torch's meta function of _scaled_mm_v2 wants M // 128 scale columns)
+    if kind_a == "128x128" and m % BLOCKWISE_TILE:
+        fail(f"M of a 128x128-scaled a must be a multiple of {BLOCKWISE_TILE} (fp8_block_mm pads it)")
     k_blocks = -(-k // BLOCKWISE_TILE)
     for name, scale, kind, outer in (("scale_a", scale_a, kind_a, m), ("scale_b", scale_b, kind_b, n)):
         if scale.dtype != torch.float32:
@@ -393,7 +398,8 @@ def fp8_block_mm(
 
     ``a`` (M, K) row-major with quantization scales ``(ceil(M / bm), ceil(K / bk))`` for ``block_a = (bm, bk)``;
     ``b`` (K, N) column-major with scales ``(ceil(K / bk), ceil(N / bn))`` for ``block_b = (bk, bn)``. K is
-    zero-padded to whole blocks and N to a multiple of 16; the result is sliced back.
+    zero-padded to whole blocks, N to a multiple of 16 (of 128 for a 128x128-scaled ``b``) and, for the 1x128 /
+    128x128 scalings, M to a multiple of 16 (of 128 for a 128x128-scaled ``a``); the result is sliced back.
 
     ``use_fast_accum`` is accepted for symmetry with :func:`fp8_mm` and not passed on: CUDA's 1x128 / 128x128
     kernels refuse fast accumulation, and the MX kernel is run without it; block-scaled GEMMs always accumulate in
@@ -406,8 +412,9 @@ def fp8_block_mm(
         raise ScaledMMContractError(f"the operands' blocks {block_a} and {block_b} do not share a K-block size")
     (m, _), (k, n) = a.shape, b.shape
     deepseek = kind_a != "1x32"
-    # DeepSeek-style pairs: M to a multiple of 16, and N of a 128x128-scaled b to whole tiles (see the contract)
-    pad_m = -m % 16 if deepseek else 0
+    # DeepSeek-style pairs: M to a multiple of 16, and the outer dimension of a 128x128-scaled operand to whole tiles
+    # (see the contract)
+    pad_m = -m % (BLOCKWISE_TILE if kind_a == "128x128" else 16) if deepseek else 0
     pad_k, pad_n = -k % tile_k, -n % (BLOCKWISE_TILE if kind_b == "128x128" else 16)
     if pad_k or pad_m:
         a = _pad_fp8(a, pad_m, pad_k)

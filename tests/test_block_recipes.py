@@ -5,6 +5,7 @@ numerics against torchao's prototypes, the outlier case they exist for, and odd 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -232,6 +233,83 @@ def test_block_contract_rejects_fast_accumulation():
             check_block_scaled_mm_contract(a, b, sa, "1x128", scale_b, kind_b, torch.bfloat16, use_fast_accum=True)
 
 
+_KERNEL_PAIRS = {  # (kind_a, kind_b): block of a in (M, K), block of b in (K, N), recipe
+    ("1x128", "128x128"): ((1, 128), (128, 128), "blockwise"),
+    ("128x128", "1x128"): ((128, 128), (128, 1), "blockwise"),
+    ("1x128", "1x128"): ((1, 128), (128, 1), "blockwise"),
+    ("1x32", "1x32"): ((1, 32), (32, 1), "mxfp8"),
+}
+
+
+def _kernel_dequantize(x: torch.Tensor, scale: torch.Tensor, scaling) -> torch.Tensor:
+    """float64 ``x`` (outer, K) times its *kernel-layout* decoding scales, read as the CUDA kernel reads them."""
+    outer, k = x.shape
+    if scaling == torch.nn.functional.ScalingType.BlockWise1x128:  # (outer, K / 128)
+        s = scale.double().repeat_interleave(128, 1)
+    elif scaling == torch.nn.functional.ScalingType.BlockWise128x128:  # (round_up(K / 128, 4), outer / 128)
+        s = scale.double().t().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:  # BlockWise1x32: swizzled (SWIZZLE_32_4_4 is its own inverse permutation), E8M0
+        rows, cols = -(-outer // 128) * 128, -(-(k // 32) // 4) * 4
+        s = scale.float().reshape(rows // 128, cols // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(rows, cols)
+        s = s.double().repeat_interleave(32, 1)
+    return x.double() * s[:outer, :k]
+
+
+@pytest.mark.skipif(getattr(torch.nn.functional, "scaled_mm", None) is None, reason="no F.scaled_mm in this torch")
+@pytest.mark.parametrize("pair", sorted(_KERNEL_PAIRS))
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(91, 200, 304), (1, 512, 16), (16, 512, 64), (304, 91, 128), (129, 640, 129), (256, 128, 17), (17, 32, 16)],
+)
+def test_native_block_gemm_arguments_pass_torchs_checks_and_compute_the_product(monkeypatch, pair, m, k, n):
+    """What the native path would send to ``F.scaled_mm``: torch's own checks (its meta function, run on meta tensors
+    with the same shapes and strides), the exact scale strides the CUDA kernel wants (a size-1 dimension included:
+    the H200 refused strides (1, 1)), no fast accumulation, and the result of the kernel's math on those layouts
+    (float64) is the product of the dequantized operands, sliced back to (M, N)."""
+    F = torch.nn.functional
+    block_a, block_b, recipe = _KERNEL_PAIRS[pair]
+    sent = []
+
+    def kernel(a, b, scale_a, scaling_a, scale_b, scaling_b, swizzle_a=None, swizzle_b=None, output_dtype=None,
+               use_fast_accum=None):
+        assert use_fast_accum is False
+        meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        out = F.scaled_mm(meta(a), meta(b), meta(scale_a), scaling_a, meta(scale_b), scaling_b, swizzle_a=swizzle_a,
+                          swizzle_b=swizzle_b, output_dtype=output_dtype, use_fast_accum=False)
+        for scale, scaling, outer in ((scale_a, scaling_a, a.shape[0]), (scale_b, scaling_b, b.shape[1])):
+            if scaling == F.ScalingType.BlockWise1x128:
+                assert scale.stride() == (1, outer)
+            elif scaling == F.ScalingType.BlockWise128x128:
+                assert scale.stride() == (1, scale.shape[0])
+        sent.append(pair)
+        product = _kernel_dequantize(a, scale_a, scaling_a) @ _kernel_dequantize(b.t(), scale_b, scaling_b).t()
+        assert out.shape == product.shape and out.dtype == output_dtype
+        return product.to(output_dtype)
+
+    monkeypatch.setattr(gemm, "gemm_path", lambda device, recipe="tensorwise": "native")
+    monkeypatch.setattr(gemm, "_PUBLIC_SCALED_MM", kernel)
+    torch.manual_seed(0)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    qx = quantize(x, dataclasses.replace(FP8Recipe(name=recipe).cast_specs().forward[0], block=block_a))
+    qw = quantize(w, dataclasses.replace(FP8Recipe(name=recipe).cast_specs().forward[0], block=block_b[::-1]))
+    out = fp8_block_mm(qx.data, qw.data.t(), qx.scale, qw.scale.t(), block_a, block_b, torch.bfloat16)
+    assert sent == [pair] and out.shape == (m, n) and out.dtype == torch.bfloat16
+    x_deq = qx.data.double() / _expand(qx.scale, block_a, (m, k))
+    w_deq = qw.data.double() / _expand(qw.scale, block_b[::-1], (n, k))
+    exact = x_deq @ w_deq.t()
+    assert torch.allclose(out.double(), exact, rtol=1e-2, atol=1e-3 * exact.abs().max().item())
+
+
+def test_block_contract_wants_whole_tiles_of_a_128x128_scaled_a():
+    """(128x128, 1x128): torch checks ``M // 128`` scale columns, so M must be whole tiles (fp8_block_mm pads it)."""
+    sa, sb = torch.ones(1, 4).t(), torch.ones(2, 256).t()  # (round_up(K/128, 4), ceil(M/128)), (N, K/128)
+    a, b = _operands(m=96)
+    with pytest.raises(ScaledMMContractError, match="M of a 128x128-scaled a must be a multiple of 128"):
+        check_block_scaled_mm_contract(a, b, sa, "128x128", sb, "1x128", torch.bfloat16)
+    a, b = _operands(m=128)
+    check_block_scaled_mm_contract(a, b, sa, "128x128", sb, "1x128", torch.bfloat16)
+
+
 def test_mx_scales_are_swizzled_as_cublas_reads_them():
     rows, cols = 130, 5  # padded to 256 x 8: two row tiles, two column tiles
     scale = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
@@ -347,7 +425,12 @@ def test_massive_activation_outliers_need_block_scaling():
 
 
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
-@pytest.mark.parametrize(("shape", "in_f", "out_f"), [((1, 1), 1, 1), ((3, 5), 5, 3), ((2, 3, 129), 129, 33), ((0, 16), 16, 8)])
+# (4, 512) -> 64 and (4, 64) -> 512: one 128x128 weight tile across N and a whole number of 4 K-blocks, the case where
+# the 128x128 kernel scales kept the strides (1, 1) of a size-1 dimension and the exact-stride contract refused them
+@pytest.mark.parametrize(
+    ("shape", "in_f", "out_f"),
+    [((1, 1), 1, 1), ((3, 5), 5, 3), ((2, 3, 129), 129, 33), ((0, 16), 16, 8), ((4, 512), 512, 64), ((4, 64), 64, 512)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_any_linear_shape_runs_forward_and_backward(recipe, shape, in_f, out_f, dtype):
     torch.manual_seed(0)
