@@ -194,7 +194,7 @@ def _pad_to_contract(a: Tensor, b: Tensor, scale_b: Tensor) -> tuple[Tensor, Ten
         a = _pad_fp8(a, 0, pad_k)
     if pad_k or pad_n:
         b = _pad_fp8(b.t(), pad_n, pad_k).t()  # b.t() is row-major (N, K)
-        if scale_b.numel() > 1:
+        if scale_b.dim() == 2:  # a (1, N) column scale (row-wise), also when N == 1; tensorwise scales are 0-d/1-d
             scale_b = F.pad(scale_b, (0, pad_n), value=1.0)
     return a, b, scale_b, n
 

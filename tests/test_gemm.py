@@ -263,3 +263,25 @@ def test_contract_checked_on_every_gemm_of_fp8_linear(monkeypatch, recipe, shape
         # forward E4M3 x E4M3; backward the E5M2 gradient against E4M3
         assert [c[:2] for c in calls[:2]] == [(E4, E4), (E4, E4)]
         assert all(E5 in c[:2] for c in calls[2:])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(("in_f", "out_f"), [(16, 1), (1, 16), (1, 1)])
+def test_unit_width_layers_run_every_gemm(recipe, in_f, out_f):
+    """A layer with one input or one output feature (converted with ``skip_unaligned=False``): a row-wise GEMM with
+    N=1 has a (1, 1) column scale, which must be padded with N like any other, not taken for a tensorwise scale."""
+    torch.manual_seed(0)
+    plain = nn.Linear(in_f, out_f)
+    layer = nn.Sequential(nn.Linear(in_f, out_f))
+    layer[0].load_state_dict(plain.state_dict())
+    report = lf.convert_to_fp8(layer, recipe=recipe, skip_unaligned=False, log_summary=False)
+    assert report.converted
+    x = torch.randn(8, in_f, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with lf.fp8_autocast():
+        y = layer(x)
+    y.square().sum().backward()
+    plain(x_ref).square().sum().backward()
+    assert y.shape == (8, out_f)
+    for got, ref in ((y, plain(x_ref)), (x.grad, x_ref.grad), (layer[0].weight.grad, plain.weight.grad)):
+        assert torch.allclose(got.float(), ref.float(), rtol=0.15, atol=0.15 * ref.abs().max().item() + 1e-6)
