@@ -481,8 +481,10 @@ def test_forward_backward_has_no_host_sync(recipe, autocast, defer):
 # --- memory saved for backward ----------------------------------------------------------------------------
 
 
-def _saved_bytes(model, x, fp8: bool) -> int:
-    """Bytes of the distinct storages saved for backward that are not parameter storage."""
+def _saved_bytes(model, x, fp8: bool, backward: bool = True) -> int:
+    """Bytes of the distinct storages saved for backward that are not parameter storage. The pack hook runs in the
+    forward (where autograd saves); the backward only checks that what was saved runs it (``backward=False`` skips it
+    for ``nn.Linear``'s own reference: its bf16 GEMMs alone took ~16 s on a 2-core CPU)."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -495,7 +497,8 @@ def _saved_bytes(model, x, fp8: bool) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast(enabled=fp8):
             y = model(x)
-    y.float().sum().backward()
+    if backward:
+        y.float().sum().backward()
     return sum(saved.values())
 
 
@@ -503,7 +506,7 @@ def test_saved_for_backward_is_at_most_055_of_bf16_linear():
     m, k, n = 8192, 1024, 1024
     x = torch.randn(m, k, requires_grad=True)
     base = nn.Linear(k, n)
-    reference = _saved_bytes(copy.deepcopy(base), x, fp8=False)
+    reference = _saved_bytes(copy.deepcopy(base), x, fp8=False, backward=False)
     # nn.Linear under bf16 autocast keeps the bf16 copies of input and weight
     assert reference >= 2 * (m * k + n * k)
     ratios = {}
