@@ -1,4 +1,9 @@
+import json
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 # Keep the suite deterministic and light on a 2-core CPU machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -52,3 +57,69 @@ def _check_every_emulated_gemm(monkeypatch):
 
     monkeypatch.setattr(gemm, "emulated_scaled_mm", checked)
     yield
+
+
+# ------------------------------------------------------------------------- the 2-process checks, one launch per session
+
+GLOO_CHECKS = Path(__file__).parent / "scripts" / "gloo_checks.py"
+GLOO_TIMEOUT_S = 900
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "gloo(*checks): checks of tests/scripts/gloo_checks.py the test reads through the gloo_runs fixture (all the "
+        "checks of a session's tests run in one 2-process launch)",
+    )
+
+
+def _gloo_checks(session) -> list[str]:
+    return list(dict.fromkeys(c for item in session.items for mark in item.iter_markers("gloo") for c in mark.args))
+
+
+class GlooRuns:
+    """The folders of the checks run by tests/scripts/gloo_checks.py, and that run's output."""
+
+    def __init__(self, out: Path, checks: list[str], returncode: int | None, output: str) -> None:
+        self.out, self.checks, self.returncode, self.output = out, checks, returncode, output
+
+    def folder(self, check: str) -> Path:
+        """The check's folder; fails with the check's traceback, or the run's output, unless every rank completed it."""
+        assert check in self.checks, f"{check!r} did not run: mark the test with @pytest.mark.gloo({check!r})"
+        path = self.out / check.replace("/", "__").replace(",", "-")  # gloo_checks.py's folder()
+        tail = f"\n--- gloo_checks.py (exit code {self.returncode}), output tail ---\n{self.output[-6000:]}"
+        errors = sorted(path.glob("error_rank*.txt"))
+        if errors:
+            pytest.fail(
+                f"{check} raised:\n" + "\n".join(f"{e.name}:\n{e.read_text()}" for e in errors) + tail, pytrace=False
+            )
+        plan = json.loads((self.out / "plan.json").read_text()) if (self.out / "plan.json").exists() else {}
+        ranks = (0,) if check in plan.get("single", ()) else (0, 1)
+        missing = [rank for rank in ranks if not (path / f"done_rank{rank}").exists()]
+        if missing:
+            pytest.fail(f"{check} did not complete on rank(s) {missing}" + tail, pytrace=False)
+        return path
+
+
+@pytest.fixture(scope="session")
+def gloo_runs(request, tmp_path_factory) -> GlooRuns:
+    """Every check named by a ``gloo`` mark of the session's tests, run in one launch of tests/scripts/gloo_checks.py
+    (2 processes on gloo); the tests read the results from the checks' folders."""
+    checks = _gloo_checks(request.session)
+    out = tmp_path_factory.mktemp("gloo_checks")
+    proc = subprocess.Popen(
+        [sys.executable, str(GLOO_CHECKS), str(out), *checks],
+        cwd=out,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a timeout kills both ranks
+    )
+    try:
+        output, _ = proc.communicate(timeout=GLOO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[killed after {GLOO_TIMEOUT_S} s: a hang]"
+    return GlooRuns(out, checks, proc.returncode, output)

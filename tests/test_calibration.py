@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -411,13 +408,10 @@ def test_calibration_and_the_sensitivity_callback_read_the_first_batches_and_cha
 
 
 @pytest.mark.slow
-def test_ddp_ranks_calibrate_on_their_own_batches_and_reduce_the_amaxes(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_calibration.py")
-    proc = subprocess.run(
-        [sys.executable, script, str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+@pytest.mark.gloo("ddp_calibration")
+def test_ddp_ranks_calibrate_on_their_own_batches_and_reduce_the_amaxes(gloo_runs):
+    """tests/scripts/ddp_calibration.py on 2 processes (gloo), run by tests/scripts/gloo_checks.py."""
+    tmp_path = gloo_runs.folder("ddp_calibration")
     starts = [torch.load(tmp_path / f"start_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     histories = [layer_state(start["fp8"], "body")["amax_history"] for start in starts]
     assert torch.equal(histories[0], histories[1])  # MAX-reduced across the ranks, as in training

@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import subprocess
-import sys
 import warnings
 
 import lightning as L
@@ -303,13 +301,10 @@ def test_non_finite_amax_alert(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_reduction_and_layer_that_runs_on_one_rank(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_stats.py")
-    proc = subprocess.run(
-        [sys.executable, script, str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+@pytest.mark.gloo("ddp_stats")
+def test_ddp_reduction_and_layer_that_runs_on_one_rank(gloo_runs):
+    """tests/scripts/ddp_stats.py on 2 processes (gloo), run by tests/scripts/gloo_checks.py."""
+    tmp_path = gloo_runs.folder("ddp_stats")
     rank0 = per_layer(torch.load(tmp_path / "state_rank0.pt", weights_only=True))
     rank1 = per_layer(torch.load(tmp_path / "state_rank1.pt", weights_only=True))
     rows = [r for r in read_csv(tmp_path / "logs" / "metrics.csv") if r.get("fp8/loss_scale")]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -188,14 +186,10 @@ def test_bf16_checkpoint_resumes_in_fp8(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["delayed"])
-def test_exact_resume_ddp_two_processes(recipe, tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_resume.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, script, str(tmp_path), recipe], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.gloo(f"ddp_resume/{r}")) for r in ["delayed"]])
+def test_exact_resume_ddp_two_processes(recipe, gloo_runs):
+    """tests/scripts/ddp_resume.py on 2 processes (gloo), run by tests/scripts/gloo_checks.py."""
+    tmp_path = gloo_runs.folder(f"ddp_resume/{recipe}")
     result = torch.load(tmp_path / "result.pt", weights_only=True)
     for name, value in result["straight"].items():
         assert torch.equal(value, result["resumed"][name]), name

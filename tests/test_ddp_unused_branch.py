@@ -3,30 +3,21 @@ branch's amaxes (recorded on rank 1 only) in every rank's history; 2 CPU process
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT
 from lightning_fp8.state import fp8_state_layer_names, layer_state
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ddp_unused_branch.py")
-
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["delayed"])
-def test_a_branch_on_one_rank_neither_hangs_nor_corrupts_scales(recipe, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), recipe],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,  # a hang fails here
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=pytest.mark.gloo(f"ddp_unused_branch/{r}")) for r in ["delayed"]]
+)
+def test_a_branch_on_one_rank_neither_hangs_nor_corrupts_scales(recipe, gloo_runs):
+    """tests/scripts/ddp_unused_branch.py, run by tests/scripts/gloo_checks.py (a hang fails there: the collectives time
+    out after 5 minutes, the run is killed after 15)."""
+    tmp_path = gloo_runs.folder(f"ddp_unused_branch/{recipe}")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     names = fp8_state_layer_names(ranks[0]["fp8"])
     assert names == ["inp", "branch", "out"]

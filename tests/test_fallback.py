@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import lightning as L
@@ -439,15 +436,12 @@ def test_a_switched_layer_the_model_no_longer_has_is_left_out_of_the_exclude_adv
 
 
 @pytest.mark.slow
-def test_ddp_both_ranks_switch_the_same_layer_at_the_same_step_when_one_rank_overflows(tmp_path):
-    """2 gloo processes; `mid` overflows on rank 1's data only. The readings are reduced across the ranks, so both
-    switch it at the same step (no hang, no rank computing alone in FP8) and the weights stay identical."""
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_fallback.py")
-    proc = subprocess.run(
-        [sys.executable, script, str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+@pytest.mark.gloo("ddp_fallback")
+def test_ddp_both_ranks_switch_the_same_layer_at_the_same_step_when_one_rank_overflows(gloo_runs):
+    """2 gloo processes (tests/scripts/ddp_fallback.py, run by tests/scripts/gloo_checks.py); `mid` overflows on rank
+    1's data only. The readings are reduced across the ranks, so both switch it at the same step (no hang, no rank
+    computing alone in FP8) and the weights stay identical."""
+    tmp_path = gloo_runs.folder("ddp_fallback")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert list(ranks[0]["fallen_back"]) == ["mid"] and ranks[1]["fallen_back"] == ranks[0]["fallen_back"]
     step = ranks[0]["fallen_back"]["mid"]["step"]

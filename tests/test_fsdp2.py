@@ -2,8 +2,9 @@
 ModelParallelStrategy (Trainer and Fabric), 2 CPU processes on gloo; and the pieces in-process: the FP8 all-gather
 weight, the tensor-parallel amax reductions, the errors.
 
-The 2-process runs live in tests/scripts/fsdp2_train.py (Trainer) and tests/scripts/fsdp2_fabric.py (Fabric); each is
-launched once per module and its results read back from files.
+The 2-process runs live in tests/scripts/fsdp2_train.py (Trainer), tests/scripts/fsdp2_fabric.py (Fabric) and
+tests/scripts/tp_layers.py; tests/scripts/gloo_checks.py runs them (with the other 2-process checks of the suite) in one
+launch per session, and the tests read their results back from files (the ``gloo_runs`` fixture of conftest.py).
 """
 
 from __future__ import annotations
@@ -32,20 +33,7 @@ from lightning_fp8.distributed import (
 from lightning_fp8.quantize import quantize
 from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, resolve_recipe
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 LOSS_RTOL = 0.01  # FP8 tolerance: per-rank input scales differ from the single process's whole-batch scales
-
-
-def run_script(name: str, out_dir, recipe: str, mode: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, name), str(out_dir), recipe, mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def load(path):
@@ -67,18 +55,21 @@ def assert_losses_close(losses, reference):
 # ------------------------------------------------------------------------------------------------ Trainer, FSDP2
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    """The Trainer script's runs with ``delayed`` (amax histories: the harder case for agreement and resume)."""
-    out = tmp_path_factory.mktemp("fsdp2_trainer")
-    run_script("fsdp2_train.py", out, "delayed", "single")
-    run_script("fsdp2_train.py", out, "delayed", "fsdp2")
-    return out
+TRAINER_SINGLE, TRAINER_FSDP2 = "fsdp2_train/delayed/single", "fsdp2_train/delayed/fsdp2"
+TRAINER_RUNS = pytest.mark.gloo(TRAINER_SINGLE, TRAINER_FSDP2)
+
+
+@pytest.fixture
+def trainer_runs(gloo_runs):
+    """The Trainer script's runs with ``delayed`` (amax histories: the harder case for agreement and resume): the
+    folders of the one-process reference and of the FSDP2 run."""
+    return SimpleNamespace(single=gloo_runs.folder(TRAINER_SINGLE), fsdp2=gloo_runs.folder(TRAINER_FSDP2))
 
 
 @pytest.mark.slow
+@TRAINER_RUNS
 def test_trainer_fsdp2_matches_one_process_and_gathers_fp8(trainer_runs):
-    fsdp, single = load(trainer_runs / "fsdp2.pt"), load(trainer_runs / "single.pt")
+    fsdp, single = load(trainer_runs.fsdp2 / "fsdp2.pt"), load(trainer_runs.single / "single.pt")
     # every FP8 layer's weight is sharded as an FP8ShardedWeight: FSDP2 gathers it in FP8
     assert set(fsdp["weight_types"].values()) == {"FP8ShardedWeight"}, fsdp["weight_types"]
     assert len(fsdp["weight_types"]) == 9
@@ -92,9 +83,10 @@ def test_trainer_fsdp2_matches_one_process_and_gathers_fp8(trainer_runs):
 
 
 @pytest.mark.slow
+@TRAINER_RUNS
 def test_trainer_fsdp2_ranks_agree_on_every_scale(trainer_runs):
-    rank0 = per_layer(load(trainer_runs / "fp8_rank0.pt"))
-    rank1 = per_layer(load(trainer_runs / "fp8_rank1.pt"))
+    rank0 = per_layer(load(trainer_runs.fsdp2 / "fp8_rank0.pt"))
+    rank1 = per_layer(load(trainer_runs.fsdp2 / "fp8_rank1.pt"))
     assert rank0.keys() == rank1.keys() and len(rank0) == 9
     for name in rank0:
         for key in ("amax_history", "scale", "initialized"):
@@ -105,8 +97,9 @@ def test_trainer_fsdp2_ranks_agree_on_every_scale(trainer_runs):
 
 
 @pytest.mark.slow
+@TRAINER_RUNS
 def test_trainer_fsdp2_distributed_checkpoint_resumes_exactly(trainer_runs):
-    fsdp = load(trainer_runs / "fsdp2.pt")
+    fsdp = load(trainer_runs.fsdp2 / "fsdp2.pt")
     for name, value in fsdp["state"].items():
         assert torch.equal(value, fsdp["resumed"][name]), name
     straight, resumed = per_layer(fsdp["fp8"]), per_layer(fsdp["fp8_resumed"])
@@ -114,17 +107,18 @@ def test_trainer_fsdp2_distributed_checkpoint_resumes_exactly(trainer_runs):
         for key in ("amax_history", "scale", "initialized"):
             assert torch.equal(straight[name][key], resumed[name][key]), (name, key)
     # the checkpoint is a torch.distributed.checkpoint folder
-    ckpt = trainer_runs / "epoch1.ckpt"
+    ckpt = trainer_runs.fsdp2 / "epoch1.ckpt"
     assert ckpt.is_dir() and (ckpt / ".metadata").exists()
 
 
 @pytest.mark.slow
+@TRAINER_RUNS
 def test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model(trainer_runs, tmp_path):
     from models import TinyDecoder
 
     out = tmp_path / "consolidated.ckpt"
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(trainer_runs / "epoch1.ckpt"), "--output_file", str(out)],
+        [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(trainer_runs.fsdp2 / "epoch1.ckpt"), "--output_file", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -133,7 +127,7 @@ def test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model(trainer
     checkpoint = torch.load(out, weights_only=True)  # tensors and plain values only, FP8 state included
     plain = TinyDecoder(dim=128, heads=4, layers=2)
     plain.load_state_dict(checkpoint["state_dict"])  # strict: the unconverted model's keys, plain tensors
-    expected = load(trainer_runs / "fsdp2.pt")["first"]
+    expected = load(trainer_runs.fsdp2 / "fsdp2.pt")["first"]
     for name, value in plain.state_dict().items():
         assert torch.equal(value, expected[name]), name
     assert not any(type(m) is lf.FP8Linear for m in plain.modules())
@@ -142,22 +136,23 @@ def test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model(trainer
 
 
 @pytest.mark.slow
+@TRAINER_RUNS
 def test_trainer_fsdp2_statistics_are_logged(trainer_runs):
     import csv
 
-    with open(trainer_runs / "metrics.csv") as f:
+    with open(trainer_runs.fsdp2 / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     weight_amax = [float(r["fp8/blocks.0.fc/weight/amax"]) for r in rows if r.get("fp8/blocks.0.fc/weight/amax")]
     assert len(weight_amax) == 8 and all(0 < a < float("inf") for a in weight_amax)
 
 
 @pytest.mark.slow
-def test_trainer_fsdp2_fp8_all_gather_moves_at_most_057_of_the_bf16_bytes(tmp_path):
+@pytest.mark.gloo("fsdp2_train/tensorwise/bytes")
+def test_trainer_fsdp2_fp8_all_gather_moves_at_most_057_of_the_bf16_bytes(gloo_runs):
     """Bytes moved by FSDP2's parameter all-gathers per training step (forward and backward), FP8 all-gather against
     the same run gathering bf16 parameters (MixedPrecisionPolicy(param_dtype=bfloat16)); Linear weights are ~92% of
     the parameters (torchao measures 0.55x on such a model)."""
-    run_script("fsdp2_train.py", tmp_path, "tensorwise", "bytes")
-    gathered = load(tmp_path / "bytes.pt")
+    gathered = load(gloo_runs.folder("fsdp2_train/tensorwise/bytes") / "bytes.pt")
     assert len(gathered["fp8"]) == len(gathered["bf16"]) == 2 and min(gathered["bf16"]) > 0
     ratio = sum(gathered["fp8"]) / sum(gathered["bf16"])
     print(f"FSDP2 all-gather bytes per step: FP8 {gathered['fp8'][0]}, bf16 {gathered['bf16'][0]}, ratio {ratio:.3f}")
@@ -165,11 +160,11 @@ def test_trainer_fsdp2_fp8_all_gather_moves_at_most_057_of_the_bf16_bytes(tmp_pa
 
 
 @pytest.mark.slow
-def test_trainer_tensor_parallel_with_fsdp2_matches_one_process(trainer_runs):
+@pytest.mark.gloo(TRAINER_SINGLE, "fsdp2_train/delayed/tp")
+def test_trainer_tensor_parallel_with_fsdp2_matches_one_process(gloo_runs):
     """tensor_parallel_size=2: the MLPs column-/row-wise and the LM head column-wise (lightning_fp8's styles), FSDP2 on
     the (size 1) data-parallel mesh: a 2-D mesh, FP8 all-gather and TP compute together."""
-    run_script("fsdp2_train.py", trainer_runs, "delayed", "tp")
-    tp, single = load(trainer_runs / "tp.pt"), load(trainer_runs / "single.pt")
+    tp, single = load(gloo_runs.folder("fsdp2_train/delayed/tp") / "tp.pt"), load(gloo_runs.folder(TRAINER_SINGLE) / "single.pt")
     assert_losses_close(tp["losses"], single["losses"])
     weights = tp["weights"]
     assert weights["blocks.0.fc"][0] == "FP8ShardedWeight" and len(weights["blocks.0.fc"][1]) == 2  # (dp, tp) mesh
@@ -177,9 +172,9 @@ def test_trainer_tensor_parallel_with_fsdp2_matches_one_process(trainer_runs):
 
 
 @pytest.mark.slow
-def test_trainer_sharding_errors_and_warnings(tmp_path):
-    run_script("fsdp2_train.py", tmp_path, "tensorwise", "errors")
-    result = load(tmp_path / "errors.pt")
+@pytest.mark.gloo("fsdp2_train/tensorwise/errors")
+def test_trainer_sharding_errors_and_warnings(gloo_runs):
+    result = load(gloo_runs.folder("fsdp2_train/tensorwise/errors") / "errors.pt")
     # fully_shard in configure_model without prepare_for_sharding: a clear error, not a silent bf16 run
     assert "prepare_for_sharding" in result["unprepared"] and "before" in result["unprepared"]
     # torch's own TP styles on prepared layers: training works, and the plugin says those weights gather in high precision
@@ -192,22 +187,21 @@ def test_trainer_sharding_errors_and_warnings(tmp_path):
 
 
 @pytest.mark.slow
-def test_fabric_fsdp2_matches_one_process_and_resumes_exactly(tmp_path):
-    run_script("fsdp2_fabric.py", tmp_path, "tensorwise", "single")
-    run_script("fsdp2_fabric.py", tmp_path, "tensorwise", "fsdp2")
-    fsdp, single = load(tmp_path / "fabric_fsdp2.pt"), load(tmp_path / "fabric_single.pt")
+@pytest.mark.gloo("fsdp2_fabric/tensorwise/single", "fsdp2_fabric/tensorwise/fsdp2", "fsdp2_fabric/tensorwise/tp")
+def test_fabric_fsdp2_matches_one_process_and_resumes_exactly(gloo_runs):
+    single_dir, fsdp_dir = gloo_runs.folder("fsdp2_fabric/tensorwise/single"), gloo_runs.folder("fsdp2_fabric/tensorwise/fsdp2")
+    fsdp, single = load(fsdp_dir / "fabric_fsdp2.pt"), load(single_dir / "fabric_single.pt")
     assert {kind for kind, _ in fsdp["weight_types"].values()} == {"FP8ShardedWeight"} and len(fsdp["weight_types"]) == 9
     assert single["losses"][0] != pytest.approx(5.663039684295654, abs=1e-6)  # the FP8 path ran (not the float32 one)
     assert_losses_close(fsdp["losses"], single["losses"])
     for name, value in fsdp["state"].items():
         assert torch.equal(value, fsdp["resumed"][name]), name
-    rank0 = per_layer(torch.load(tmp_path / "fabric_fsdp2_fp8_rank0.pt", weights_only=True))
-    rank1 = per_layer(torch.load(tmp_path / "fabric_fsdp2_fp8_rank1.pt", weights_only=True))
+    rank0 = per_layer(torch.load(fsdp_dir / "fabric_fsdp2_fp8_rank0.pt", weights_only=True))
+    rank1 = per_layer(torch.load(fsdp_dir / "fabric_fsdp2_fp8_rank1.pt", weights_only=True))
     for name in rank0:  # tensorwise: the weight's scale is agreed (the inputs' are each rank's own batch's)
         assert torch.equal(rank0[name]["scale"][WEIGHT], rank1[name]["scale"][WEIGHT]), name
     # tensor parallel 2 x FSDP2 1 through Fabric: the same losses, and its own exact resume
-    run_script("fsdp2_fabric.py", tmp_path, "tensorwise", "tp")
-    tp = load(tmp_path / "fabric_tp.pt")
+    tp = load(gloo_runs.folder("fsdp2_fabric/tensorwise/tp") / "fabric_tp.pt")
     assert_losses_close(tp["losses"], single["losses"])
     assert tp["weight_types"]["_forward_module.blocks.0.fc"] == ("FP8ShardedWeight", ["_S(0, 2)", "S(0)"])
     for name, value in tp["state"].items():
@@ -429,22 +423,17 @@ def _sharded_plain_fp8(recipe):
     return model
 
 
+TP_RECIPES = "tensorwise,delayed,rowwise,blockwise,mxfp8"
+
+
 @pytest.mark.slow
-def test_tensor_parallel_layers_match_the_unsharded_layers_for_every_recipe(tmp_path):
-    """Column-wise then row-wise FP8 layers on 2 ranks: weight gradients bit-identical to the unsharded layers' for
-    every recipe (every scale agreed across the group), outputs and input gradients within FP8's error of them
-    (row-wise layers sum partial products across ranks: another rounding)."""
-    recipes = "tensorwise,delayed,rowwise,blockwise,mxfp8"
-    out = tmp_path / "tp_layers.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.join(SCRIPTS, "tp_layers.py"), str(out), recipes],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = torch.load(out, weights_only=True)
+@pytest.mark.gloo(f"tp_layers/{TP_RECIPES}")
+def test_tensor_parallel_layers_match_the_unsharded_layers_for_every_recipe(gloo_runs):
+    """Column-wise then row-wise FP8 layers on 2 ranks (tests/scripts/tp_layers.py): weight gradients bit-identical to
+    the unsharded layers' for every recipe (every scale agreed across the group), outputs and input gradients within
+    FP8's error of them (row-wise layers sum partial products across ranks: another rounding)."""
+    recipes = TP_RECIPES
+    results = torch.load(gloo_runs.folder(f"tp_layers/{recipes}") / "tp_layers.pt", weights_only=True)
     assert list(results) == recipes.split(",")
     for recipe, result in results.items():
         assert result["grad_weight_equal_0"] and result["grad_weight_equal_2"], recipe

@@ -6,6 +6,8 @@ back, so the loss stays sane): the delayed scale, MAX-reduced across the ranks, 
 switched alone would compute differently from the other (and a reading that is a collective on one rank only would
 hang). Each rank saves, per global step, whether ``mid`` ran in FP8 in its training forward, the callback's
 ``fallen_back``, and its parameters after training.
+
+Usage: ddp_fallback.py OUT_DIR, or ``main(OUT_DIR)`` from tests/scripts/gloo_checks.py.
 """
 
 import os
@@ -18,7 +20,6 @@ from torch import nn
 
 import lightning_fp8 as lf
 
-out_dir = sys.argv[1]
 START = 3
 
 
@@ -40,7 +41,8 @@ class Planted(L.LightningModule):
 
 
 class Record(L.Callback):
-    def __init__(self):
+    def __init__(self, out_dir, fallback):
+        self.out_dir, self.fallback = out_dir, fallback
         self.in_forward = {}
 
     def on_fit_start(self, trainer, pl_module):
@@ -53,28 +55,33 @@ class Record(L.Callback):
         torch.save(
             {
                 "in_forward": self.in_forward,
-                "fallen_back": fallback.fallen_back,
+                "fallen_back": self.fallback.fallen_back,
                 "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
             },
-            os.path.join(out_dir, f"rank{trainer.global_rank}.pt"),
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
         )
 
 
-torch.manual_seed(0)
-fallback = lf.FP8FallbackCallback(every_n_steps=2, patience=2)
-trainer = L.Trainer(
-    accelerator="cpu",
-    devices=2,
-    strategy="ddp",
-    plugins=[lf.FP8Precision(recipe="delayed")],
-    callbacks=[fallback, Record()],
-    logger=False,
-    max_steps=10,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    enable_checkpointing=False,
-)
-g = torch.Generator().manual_seed(0)
-data = torch.utils.data.TensorDataset(torch.randn(320, 32, generator=g), torch.randint(0, 16, (320,), generator=g))
-trainer.fit(Planted(), torch.utils.data.DataLoader(data, batch_size=16))
-assert trainer.global_step == 10
+def main(out_dir):
+    torch.manual_seed(0)
+    fallback = lf.FP8FallbackCallback(every_n_steps=2, patience=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        plugins=[lf.FP8Precision(recipe="delayed")],
+        callbacks=[fallback, Record(out_dir, fallback)],
+        logger=False,
+        max_steps=10,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(320, 32, generator=g), torch.randint(0, 16, (320,), generator=g))
+    trainer.fit(Planted(), torch.utils.data.DataLoader(data, batch_size=16))
+    assert trainer.global_step == 10
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -5,6 +5,8 @@ Rank 0 saves the final weights and FP8 states of both routes to OUT_DIR; every r
 FP8 state after the straight run so the test can check the ranks agree. An FP8StatsCallback logs every
 step in all three fits: its whole-run counts after the resume must equal the straight run's (each rank
 restarts its counters at the resume instead of loading the saving rank's).
+
+Usage: ddp_resume.py OUT_DIR RECIPE, or ``main(OUT_DIR, RECIPE)`` from tests/scripts/gloo_checks.py.
 """
 
 import os
@@ -18,11 +20,10 @@ from models import TinyDecoder, loader  # noqa: E402
 
 import lightning_fp8 as lf  # noqa: E402
 
-out_dir, recipe = sys.argv[1], sys.argv[2]
 N_DATA = 32 * 32 + 1  # 32 windows: 2 batches of 8 per rank per epoch
 
 
-def trainer(epochs, callback):
+def trainer(out_dir, recipe, epochs, callback):
     return L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -43,32 +44,37 @@ def fresh(seed):
     return TinyDecoder()
 
 
-stats_straight = lf.FP8StatsCallback(log_every_n_steps=1, summary=False)
-straight = fresh(0)
-t = trainer(2, stats_straight)
-t.fit(straight, loader(n=N_DATA))
-torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{t.global_rank}.pt"))
+def main(out_dir, recipe):
+    stats_straight = lf.FP8StatsCallback(log_every_n_steps=1, summary=False)
+    straight = fresh(0)
+    t = trainer(out_dir, recipe, 2, stats_straight)
+    t.fit(straight, loader(n=N_DATA))
+    torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{t.global_rank}.pt"))
 
-first = fresh(0)
-t = trainer(1, lf.FP8StatsCallback(log_every_n_steps=1, summary=False))
-t.fit(first, loader(n=N_DATA))
-ckpt = os.path.join(out_dir, "epoch1.ckpt")
-t.save_checkpoint(ckpt)
+    first = fresh(0)
+    t = trainer(out_dir, recipe, 1, lf.FP8StatsCallback(log_every_n_steps=1, summary=False))
+    t.fit(first, loader(n=N_DATA))
+    ckpt = os.path.join(out_dir, "epoch1.ckpt")
+    t.save_checkpoint(ckpt)
 
-stats_resumed = lf.FP8StatsCallback(log_every_n_steps=1, summary=False)
-resumed = fresh(1)  # different init: everything must come from the checkpoint
-t = trainer(2, stats_resumed)
-t.fit(resumed, loader(n=N_DATA), ckpt_path=ckpt)
+    stats_resumed = lf.FP8StatsCallback(log_every_n_steps=1, summary=False)
+    resumed = fresh(1)  # different init: everything must come from the checkpoint
+    t = trainer(out_dir, recipe, 2, stats_resumed)
+    t.fit(resumed, loader(n=N_DATA), ckpt_path=ckpt)
 
-if t.global_rank == 0:
-    torch.save(
-        {
-            "straight": {k: v.detach().clone() for k, v in straight.state_dict().items()},
-            "resumed": {k: v.detach().clone() for k, v in resumed.state_dict().items()},
-            "fp8_straight": lf.fp8_state_dict(straight),
-            "fp8_resumed": lf.fp8_state_dict(resumed),
-            "totals_straight": stats_straight._stats.total_counts,
-            "totals_resumed": stats_resumed._stats.total_counts,
-        },
-        os.path.join(out_dir, "result.pt"),
-    )
+    if t.global_rank == 0:
+        torch.save(
+            {
+                "straight": {k: v.detach().clone() for k, v in straight.state_dict().items()},
+                "resumed": {k: v.detach().clone() for k, v in resumed.state_dict().items()},
+                "fp8_straight": lf.fp8_state_dict(straight),
+                "fp8_resumed": lf.fp8_state_dict(resumed),
+                "totals_straight": stats_straight._stats.total_counts,
+                "totals_resumed": stats_resumed._stats.total_counts,
+            },
+            os.path.join(out_dir, "result.pt"),
+        )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

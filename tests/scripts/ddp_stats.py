@@ -3,6 +3,8 @@
 Layer ``extra`` runs on rank 0 only (its output is multiplied by zero on rank 1 so DDP still sees
 a gradient for it): the reduction must neither hang nor mix up values. Each rank saves its local FP8
 state after training; rank 0's CSVLogger writes the reduced metrics.
+
+Usage: ddp_stats.py OUT_DIR, or ``main(OUT_DIR)`` from tests/scripts/gloo_checks.py.
 """
 
 import os
@@ -15,8 +17,6 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import lightning_fp8 as lf
-
-out_dir = sys.argv[1]
 
 
 class TwoLayer(L.LightningModule):
@@ -37,20 +37,25 @@ class TwoLayer(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-torch.manual_seed(0)
-model = TwoLayer()
-trainer = L.Trainer(
-    accelerator="cpu",
-    devices=2,
-    strategy="ddp",
-    plugins=[lf.FP8Precision()],
-    callbacks=[lf.FP8StatsCallback(log_every_n_steps=2)],
-    logger=CSVLogger(out_dir, name="logs", version=""),
-    max_steps=4,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    enable_checkpointing=False,
-)
-data = torch.utils.data.DataLoader(torch.randn(64, 32) * (1 + torch.arange(64)[:, None] / 8), batch_size=8)
-trainer.fit(model, data)
-torch.save(lf.fp8_state_dict(model), os.path.join(out_dir, f"state_rank{trainer.global_rank}.pt"))
+def main(out_dir):
+    torch.manual_seed(0)
+    model = TwoLayer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        plugins=[lf.FP8Precision()],
+        callbacks=[lf.FP8StatsCallback(log_every_n_steps=2)],
+        logger=CSVLogger(out_dir, name="logs", version=""),
+        max_steps=4,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = torch.utils.data.DataLoader(torch.randn(64, 32) * (1 + torch.arange(64)[:, None] / 8), batch_size=8)
+    trainer.fit(model, data)
+    torch.save(lf.fp8_state_dict(model), os.path.join(out_dir, f"state_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -6,6 +6,9 @@ of 8 (``fsdp2``: 4 per rank), straight; then 4 steps, ``fabric.save`` (a distrib
 and optimizer, ``fabric.load``, 4 more steps: the weights must be those of the straight run, bit for bit. ``tp``:
 tensor parallel 2 x data parallel 1 (the MLPs and the LM head with lightning_fp8's styles, then FSDP2 on the
 data-parallel mesh), both ranks on the same batches.
+
+Or ``main(OUT_DIR, RECIPE, MODE)`` from tests/scripts/gloo_checks.py (``single`` there runs before the launch, in the
+first process only: ``single_process``).
 """
 
 import os
@@ -26,7 +29,6 @@ from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 import lightning_fp8 as lf  # noqa: E402
 from lightning_fp8.fabric import FP8Precision  # noqa: E402
 
-out_dir, recipe, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 DIM, STEPS = 128, 8
 
 
@@ -44,74 +46,83 @@ def parallelize(model, device_mesh):
     return model
 
 
-plugin = FP8Precision(recipe=recipe)
-if mode == "single":
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-else:
-    tp = 2 if mode == "tp" else 1
-    strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2 // tp, tensor_parallel_size=tp)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
-fabric.launch()
-data = loader(n=32 * 32 + 1, batch_size=8).dataset
-windows = torch.stack([data[i][0] for i in range(len(data))]), torch.stack([data[i][1] for i in range(len(data))])
-rank, world = fabric.global_rank, fabric.world_size
-if mode == "tp":  # the tensor-parallel ranks see the same batches: one data-parallel rank
-    rank, world = 0, 1
+def single_process(recipe, mode):
+    return mode == "single"
 
 
-def batch(step):
-    """Global batch ``step`` (8 windows), this rank's share: windows r, r + world, ..."""
-    index = torch.arange(step * 8, step * 8 + 8) % len(data)
-    index = index[rank::world]
-    return windows[0][index], windows[1][index]
+def main(out_dir, recipe, mode):
+    plugin = FP8Precision(recipe=recipe)
+    if mode == "single":
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    else:
+        tp = 2 if mode == "tp" else 1
+        strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2 // tp, tensor_parallel_size=tp)
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    data = loader(n=32 * 32 + 1, batch_size=8).dataset
+    windows = torch.stack([data[i][0] for i in range(len(data))]), torch.stack([data[i][1] for i in range(len(data))])
+    rank, world = fabric.global_rank, fabric.world_size
+    if mode == "tp":  # the tensor-parallel ranks see the same batches: one data-parallel rank
+        rank, world = 0, 1
 
 
-def run(steps, start=0, state=None):
-    torch.manual_seed(0 if state is None else 1)  # a resumed run starts from another init: all must come from the file
-    model = fabric.setup_module(TinyDecoder(dim=DIM, heads=4, layers=2))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
-    if state is not None:
-        fabric.load(state, {"model": model, "optimizer": optimizer, "fp8": plugin})
-    losses = []
-    for step in range(start, start + steps):
-        idx, target = batch(step)
-        logits = model(idx)  # through Fabric's wrapper: the plugin's autocast and FP8 region
-        loss = F.cross_entropy(logits.float().view(-1, 256), target.reshape(-1))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
-    return model, optimizer, losses
+    def batch(step):
+        """Global batch ``step`` (8 windows), this rank's share: windows r, r + world, ..."""
+        index = torch.arange(step * 8, step * 8 + 8) % len(data)
+        index = index[rank::world]
+        return windows[0][index], windows[1][index]
 
 
-def full_state(model):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def run(steps, start=0, state=None):
+        torch.manual_seed(0 if state is None else 1)  # a resumed run starts from another init: all must come from the file
+        model = fabric.setup_module(TinyDecoder(dim=DIM, heads=4, layers=2))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+        if state is not None:
+            fabric.load(state, {"model": model, "optimizer": optimizer, "fp8": plugin})
+        losses = []
+        for step in range(start, start + steps):
+            idx, target = batch(step)
+            logits = model(idx)  # through Fabric's wrapper: the plugin's autocast and FP8 region
+            loss = F.cross_entropy(logits.float().view(-1, 256), target.reshape(-1))
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            loss = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(loss)
+                loss /= world
+            losses.append(loss.item())
+        return model, optimizer, losses
 
-    if fabric.world_size == 1:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_state(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if fabric.world_size == 1:
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-model, _, losses = run(STEPS)
-straight = full_state(model)
-weight_types = {
-    n: (type(getattr(m.weight, "_local_tensor", m.weight)).__name__, [str(p) for p in getattr(m.weight, "placements", ())])
-    for n, m in model.named_modules()
-    if isinstance(m, lf.FP8Linear)
-}
-fp8_straight = lf.fp8_state_dict(model)
-result = {"losses": losses, "state": straight, "weight_types": weight_types, "fp8": fp8_straight}
-if mode != "single":
-    torch.save(fp8_straight, os.path.join(out_dir, f"fabric_{mode}_fp8_rank{fabric.global_rank}.pt"))
-    model, optimizer, _ = run(STEPS // 2)
-    ckpt = os.path.join(out_dir, "fabric.ckpt")
-    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "fp8": plugin})
-    resumed, _, _ = run(STEPS // 2, start=STEPS // 2, state=ckpt)
-    result["resumed"] = full_state(resumed)
-    result["fp8_resumed"] = lf.fp8_state_dict(resumed)
-if fabric.global_rank == 0:
-    torch.save(result, os.path.join(out_dir, f"fabric_{mode}.pt"))
+    model, _, losses = run(STEPS)
+    straight = full_state(model)
+    weight_types = {
+        n: (type(getattr(m.weight, "_local_tensor", m.weight)).__name__, [str(p) for p in getattr(m.weight, "placements", ())])
+        for n, m in model.named_modules()
+        if isinstance(m, lf.FP8Linear)
+    }
+    fp8_straight = lf.fp8_state_dict(model)
+    result = {"losses": losses, "state": straight, "weight_types": weight_types, "fp8": fp8_straight}
+    if mode != "single":
+        torch.save(fp8_straight, os.path.join(out_dir, f"fabric_{mode}_fp8_rank{fabric.global_rank}.pt"))
+        model, optimizer, _ = run(STEPS // 2)
+        ckpt = os.path.join(out_dir, "fabric.ckpt")
+        fabric.save(ckpt, {"model": model, "optimizer": optimizer, "fp8": plugin})
+        resumed, _, _ = run(STEPS // 2, start=STEPS // 2, state=ckpt)
+        result["resumed"] = full_state(resumed)
+        result["fp8_resumed"] = lf.fp8_state_dict(resumed)
+    if fabric.global_rank == 0:
+        torch.save(result, os.path.join(out_dir, f"fabric_{mode}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -15,6 +15,9 @@ Usage: fsdp2_train.py OUT_DIR RECIPE MODE, MODE one of
   bytes      2 processes, one training step each of two runs that gather the parameters FSDP2 does not gather in FP8 in
              bf16 (MixedPrecisionPolicy(param_dtype=bfloat16)): FP8 all-gather, and the same FP8 layers with every
              weight gathered in bf16. Bytes moved by FSDP2's parameter all-gathers per step (forward and backward).
+
+Or ``main(OUT_DIR, RECIPE, MODE)`` from tests/scripts/gloo_checks.py (``single`` there runs before the launch, in the
+first process only: ``single_process``).
 """
 
 import os
@@ -35,7 +38,6 @@ from torch.utils.data import DistributedSampler  # noqa: E402
 
 import lightning_fp8 as lf  # noqa: E402
 
-out_dir, recipe, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 N_DATA = 32 * 32 + 1  # 32 windows of 32 bytes + 1: 4 global batches of 8 per epoch
 DIM = 128  # Linear weights are ~92% of the parameters (torchao's FP8 all-gather setting: Linear-dominated GPT)
 
@@ -118,7 +120,7 @@ def counting_all_gather(output, input, *args, **kwargs):
 dist.all_gather_single = counting_all_gather  # FSDP2's default all-gather calls it by this name at each call
 
 
-def trainer(epochs, record, devices, tp=1, logger=False, callbacks=(), validate=False, **kwargs):
+def trainer(out_dir, recipe, epochs, record, devices, tp=1, logger=False, callbacks=(), validate=False, **kwargs):
     kwargs.update(limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=0) if validate else kwargs.setdefault("limit_val_batches", 0)
     return L.Trainer(
         accelerator="cpu",
@@ -150,83 +152,92 @@ def full_state(module):
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-if mode == "single":
-    record = Record()
-    model = fresh(0)
-    trainer(2, record, 1, validate=True).fit(model)
-    torch.save(
-        {"losses": record.losses, "val_losses": record.val_losses, "state": full_state(model), "fp8": lf.fp8_state_dict(model)},
-        os.path.join(out_dir, "single.pt"),
-    )
-elif mode == "tp":
-    record = Record()
-    model = fresh(0)
-    trainer(2, record, 2, tp=2).fit(model)
-    state = full_state(model)
-    layers = {n: m.weight for n, m in model.named_modules() if isinstance(m, lf.FP8Linear)}
-    kinds = {n: (type(w._local_tensor).__name__, [str(p) for p in w.placements]) for n, w in layers.items()}
-    if dist.get_rank() == 0:
-        torch.save({"losses": record.losses, "state": state, "fp8": lf.fp8_state_dict(model), "weights": kinds}, os.path.join(out_dir, "tp.pt"))
-elif mode == "errors":
-    import warnings
+def single_process(recipe, mode):
+    return mode == "single"
 
-    result = {}
-    try:
-        trainer(1, Record(), 2, limit_train_batches=1).fit(fresh(0, prepare=False))
-    except ValueError as error:
-        result["unprepared"] = str(error)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+
+def main(out_dir, recipe, mode):
+    if mode == "single":
         record = Record()
-        trainer(1, record, 2, tp=2, limit_train_batches=2).fit(fresh(0, torch_styles=True))
-    result["torch_styles_warnings"] = [str(w.message) for w in caught if "lightning_fp8" in str(w.message)]
-    result["torch_styles_losses"] = record.losses
-    if dist.get_rank() == 0:
-        torch.save(result, os.path.join(out_dir, "errors.pt"))
-elif mode == "bytes":
-    gathered = {}
-    for fp8_all_gather in (True, False):
-        record = Record()
-        model = fresh(0, fp8_all_gather=fp8_all_gather, param_dtype=torch.bfloat16)
-        trainer(1, record, 2, limit_train_batches=2).fit(model)
-        gathered["fp8" if fp8_all_gather else "bf16"] = record.gathered
-    if dist.get_rank() == 0:
-        torch.save(gathered, os.path.join(out_dir, "bytes.pt"))
-else:
-    record = Record()
-    straight = fresh(0)
-    csv = CSVLogger(out_dir, name="", version="")
-    t = trainer(2, record, 2, logger=csv, callbacks=[lf.FP8StatsCallback(log_every_n_steps=1, summary=False)], log_every_n_steps=1, validate=True)
-    t.fit(straight)
-    rank = t.global_rank
-    # the local shard (the LM head, owned by the root, is held unsharded after the last validation forward)
-    weights = {n: type(lf.distributed.fp8_all_gather_shard(m)).__name__ for n, m in straight.named_modules() if isinstance(m, lf.FP8Linear)}
-    torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{rank}.pt"))
-    state = full_state(straight)
-
-    first = fresh(0)
-    t = trainer(1, Record(), 2, validate=True)
-    t.fit(first)
-    ckpt = os.path.join(out_dir, "epoch1.ckpt")
-    t.save_checkpoint(ckpt)  # a folder: torch.distributed.checkpoint shards + Lightning's metadata file
-    first_state = full_state(first)
-
-    resumed = fresh(1)  # another init: everything must come from the checkpoint
-    t = trainer(2, Record(), 2, validate=True)
-    t.fit(resumed, ckpt_path=ckpt)
-    resumed_state = full_state(resumed)
-    if rank == 0:
+        model = fresh(0)
+        trainer(out_dir, recipe, 2, record, 1, validate=True).fit(model)
         torch.save(
-            {
-                "losses": record.losses,
-                "val_losses": record.val_losses,
-                "gathered": record.gathered,
-                "weight_types": weights,
-                "state": state,
-                "resumed": resumed_state,
-                "fp8": lf.fp8_state_dict(straight),
-                "fp8_resumed": lf.fp8_state_dict(resumed),
-                "first": first_state,
-            },
-            os.path.join(out_dir, "fsdp2.pt"),
+            {"losses": record.losses, "val_losses": record.val_losses, "state": full_state(model), "fp8": lf.fp8_state_dict(model)},
+            os.path.join(out_dir, "single.pt"),
         )
+    elif mode == "tp":
+        record = Record()
+        model = fresh(0)
+        trainer(out_dir, recipe, 2, record, 2, tp=2).fit(model)
+        state = full_state(model)
+        layers = {n: m.weight for n, m in model.named_modules() if isinstance(m, lf.FP8Linear)}
+        kinds = {n: (type(w._local_tensor).__name__, [str(p) for p in w.placements]) for n, w in layers.items()}
+        if dist.get_rank() == 0:
+            torch.save({"losses": record.losses, "state": state, "fp8": lf.fp8_state_dict(model), "weights": kinds}, os.path.join(out_dir, "tp.pt"))
+    elif mode == "errors":
+        import warnings
+
+        result = {}
+        try:
+            trainer(out_dir, recipe, 1, Record(), 2, limit_train_batches=1).fit(fresh(0, prepare=False))
+        except ValueError as error:
+            result["unprepared"] = str(error)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            record = Record()
+            trainer(out_dir, recipe, 1, record, 2, tp=2, limit_train_batches=2).fit(fresh(0, torch_styles=True))
+        result["torch_styles_warnings"] = [str(w.message) for w in caught if "lightning_fp8" in str(w.message)]
+        result["torch_styles_losses"] = record.losses
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out_dir, "errors.pt"))
+    elif mode == "bytes":
+        gathered = {}
+        for fp8_all_gather in (True, False):
+            record = Record()
+            model = fresh(0, fp8_all_gather=fp8_all_gather, param_dtype=torch.bfloat16)
+            trainer(out_dir, recipe, 1, record, 2, limit_train_batches=2).fit(model)
+            gathered["fp8" if fp8_all_gather else "bf16"] = record.gathered
+        if dist.get_rank() == 0:
+            torch.save(gathered, os.path.join(out_dir, "bytes.pt"))
+    else:
+        record = Record()
+        straight = fresh(0)
+        csv = CSVLogger(out_dir, name="", version="")
+        t = trainer(out_dir, recipe, 2, record, 2, logger=csv, callbacks=[lf.FP8StatsCallback(log_every_n_steps=1, summary=False)], log_every_n_steps=1, validate=True)
+        t.fit(straight)
+        rank = t.global_rank
+        # the local shard (the LM head, owned by the root, is held unsharded after the last validation forward)
+        weights = {n: type(lf.distributed.fp8_all_gather_shard(m)).__name__ for n, m in straight.named_modules() if isinstance(m, lf.FP8Linear)}
+        torch.save(lf.fp8_state_dict(straight), os.path.join(out_dir, f"fp8_rank{rank}.pt"))
+        state = full_state(straight)
+
+        first = fresh(0)
+        t = trainer(out_dir, recipe, 1, Record(), 2, validate=True)
+        t.fit(first)
+        ckpt = os.path.join(out_dir, "epoch1.ckpt")
+        t.save_checkpoint(ckpt)  # a folder: torch.distributed.checkpoint shards + Lightning's metadata file
+        first_state = full_state(first)
+
+        resumed = fresh(1)  # another init: everything must come from the checkpoint
+        t = trainer(out_dir, recipe, 2, Record(), 2, validate=True)
+        t.fit(resumed, ckpt_path=ckpt)
+        resumed_state = full_state(resumed)
+        if rank == 0:
+            torch.save(
+                {
+                    "losses": record.losses,
+                    "val_losses": record.val_losses,
+                    "gathered": record.gathered,
+                    "weight_types": weights,
+                    "state": state,
+                    "resumed": resumed_state,
+                    "fp8": lf.fp8_state_dict(straight),
+                    "fp8_resumed": lf.fp8_state_dict(resumed),
+                    "first": first_state,
+                },
+                os.path.join(out_dir, "fsdp2.pt"),
+            )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

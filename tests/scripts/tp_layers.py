@@ -1,9 +1,14 @@
-"""Run by tests/test_fsdp2.py with ``python -m torch.distributed.run --nproc-per-node 2``: an FP8 MLP (column-wise then
+"""Run by tests/test_fsdp2.py (through tests/scripts/gloo_checks.py, on 2 processes): an FP8 MLP (column-wise then
 row-wise Linear, torch's ColwiseParallel / RowwiseParallel) against the same unsharded FP8 MLP, for each recipe; two
 training steps, a token of outliers in the input and large features in one rank's share of the hidden layer. Rank 0 writes, per recipe: whether the weight gradients are
 bit-identical, the SQNR of the output and of the input gradient against the unsharded model, and whether the weight
-scales agree."""
+scales agree.
 
+Usage: ``python -m torch.distributed.run --nproc-per-node 2 tp_layers.py OUT_DIR RECIPES`` (RECIPES comma-separated),
+or ``main(OUT_DIR, RECIPES)`` on the 2-process group of tests/scripts/gloo_checks.py. Rank 0 writes OUT_DIR/tp_layers.pt.
+"""
+
+import os
 import sys
 
 import torch
@@ -20,39 +25,43 @@ def sqnr(a, b):
     return (10 * torch.log10(b.double().pow(2).mean() / (a.double() - b.double()).pow(2).mean())).item()
 
 
-out_file, recipes = sys.argv[1], sys.argv[2].split(",")
-dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2,))
-results = {}
-for recipe in recipes:
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
-    with torch.no_grad():  # large features in rank 0's share only: row amaxes that differ between the pieces
-        ref[0].weight[:8] *= 20
-        ref[2].weight[:, :8] *= 20
-    tp = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
-    tp.load_state_dict(ref.state_dict())
-    lf.convert_to_fp8(ref, recipe=recipe, log_summary=False)
-    lf.convert_to_fp8(tp, recipe=recipe, log_summary=False)
-    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    torch.manual_seed(1)
-    x = torch.randn(4, 32, 128)
-    x[0, 3] *= 50  # a token of outliers: scales that differ between the pieces if they were not agreed
-    x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
-    for step in range(2):  # the second step uses the delayed histories
-        with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast():
-            y_ref, y_tp = ref(x_ref), tp(x_tp)
-        grad = torch.randn(y_ref.shape)
-        y_ref.float().backward(grad)
-        y_tp.float().backward(grad)
-        lf.roll_amax_history(ref)
-        lf.roll_amax_history(tp)
-    result = {"output_sqnr": sqnr(y_tp.float(), y_ref.float()), "grad_input_sqnr": sqnr(x_tp.grad, x_ref.grad)}
-    for name in ("0", "2"):
-        ours, theirs = tp.get_submodule(name), ref.get_submodule(name)
-        result[f"grad_weight_equal_{name}"] = torch.equal(ours.weight.grad.full_tensor(), theirs.weight.grad)
-        result[f"weight_scale_equal_{name}"] = torch.equal(ours.fp8_scale[WEIGHT], theirs.fp8_scale[WEIGHT])
-    results[recipe] = result
-if dist.get_rank() == 0:
-    torch.save(results, out_file)
-dist.destroy_process_group()
+def main(out_dir, recipes):
+    mesh = init_device_mesh("cpu", (2,))
+    results = {}
+    for recipe in recipes.split(","):
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+        with torch.no_grad():  # large features in rank 0's share only: row amaxes that differ between the pieces
+            ref[0].weight[:8] *= 20
+            ref[2].weight[:, :8] *= 20
+        tp = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+        tp.load_state_dict(ref.state_dict())
+        lf.convert_to_fp8(ref, recipe=recipe, log_summary=False)
+        lf.convert_to_fp8(tp, recipe=recipe, log_summary=False)
+        parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        torch.manual_seed(1)
+        x = torch.randn(4, 32, 128)
+        x[0, 3] *= 50  # a token of outliers: scales that differ between the pieces if they were not agreed
+        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for step in range(2):  # the second step uses the delayed histories
+            with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast():
+                y_ref, y_tp = ref(x_ref), tp(x_tp)
+            grad = torch.randn(y_ref.shape)
+            y_ref.float().backward(grad)
+            y_tp.float().backward(grad)
+            lf.roll_amax_history(ref)
+            lf.roll_amax_history(tp)
+        result = {"output_sqnr": sqnr(y_tp.float(), y_ref.float()), "grad_input_sqnr": sqnr(x_tp.grad, x_ref.grad)}
+        for name in ("0", "2"):
+            ours, theirs = tp.get_submodule(name), ref.get_submodule(name)
+            result[f"grad_weight_equal_{name}"] = torch.equal(ours.weight.grad.full_tensor(), theirs.weight.grad)
+            result[f"weight_scale_equal_{name}"] = torch.equal(ours.fp8_scale[WEIGHT], theirs.fp8_scale[WEIGHT])
+        results[recipe] = result
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, "tp_layers.pt"))
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    main(*sys.argv[1:])
+    dist.destroy_process_group()
