@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,13 +37,27 @@ def table_rows(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
-def test_command_line_on_the_example_config(tmp_path):
-    out = tmp_path / "report"
+def _command_line_run(workdir: Path) -> dict:
+    out = workdir / "report"
     cmd = [sys.executable, "-m", "lightning_fp8.compare", "--config", "examples/fp8_lm/configs/gpu.yaml",
            "--model-class", f"{LM}:ByteTransformerLM", "--data-class", f"{LM}:StdlibBytes",
            "--recipes", "tensorwise", "delayed", "--steps", "3", "--warmup", "1", "--out", str(out), *TINY]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return {"args": cmd, "cwd": ROOT, "env": env, "timeout": 240}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"command_line_run": _command_line_run}
+
+
+@pytest.fixture
+def command_line_run(early_runs):
+    return early_runs.result(__name__, "command_line_run")
+
+
+def test_command_line_on_the_example_config(command_line_run):
+    """The command line as a user runs it (started early: tests/conftest.py)."""
+    proc, out = command_line_run, command_line_run.workdir / "report"
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     markdown = (out / "compare.md").read_text()

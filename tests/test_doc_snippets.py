@@ -53,7 +53,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -212,10 +211,8 @@ def _runner_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def page_results(tmp_path_factory) -> dict[str, dict]:
-    """Runs every page's python blocks (one forked process per page) and returns each page's result."""
-    work = tmp_path_factory.mktemp("doc_snippets")
+def _pages_run(work: Path) -> dict:
+    """The runner's command on a spec of every page's python blocks (one forked process per page)."""
     spec = []
     for path in RUN_PAGES:
         page = path.relative_to(ROOT).as_posix()
@@ -223,15 +220,19 @@ def page_results(tmp_path_factory) -> dict[str, dict]:
         workdir = work / page.replace("/", "__")
         spec.append({"page": page, "path": str(path), "workdir": str(workdir), "blocks": blocks})
     (work / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, __file__, str(work / "spec.json")],
-        cwd=work,
-        env=_runner_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=PAGE_TIMEOUT_S * len(spec) + 60,
-    )
+    args = [sys.executable, __file__, str(work / "spec.json")]
+    return {"args": args, "cwd": work, "env": _runner_env(), "timeout": PAGE_TIMEOUT_S * len(spec) + 60}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"page_results": _pages_run}
+
+
+@pytest.fixture(scope="module")
+def page_results(early_runs) -> dict[str, dict]:
+    """Runs every page's python blocks (one forked process per page) and returns each page's result."""
+    proc = early_runs.result(__name__, "page_results")
+    spec = json.loads((proc.workdir / "spec.json").read_text())
     results = {}
     for entry in spec:
         result = Path(entry["workdir"]) / "result.json"
@@ -335,7 +336,8 @@ def _in_root(words: list[str]) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Covered:
     """Run (shortened) by another test, ``"test_file.py::test_name"``: checked to exist and to name what the command
-    runs (read from its source, not imported)."""
+    runs (read from its source, not imported). A test that reads a run started early (tests/conftest.py) names it in
+    the builder its module's ``EARLY_RUNS`` gives for one of the test's fixtures: that builder's source counts too."""
 
     test: str
     names: tuple[str, ...]
@@ -345,8 +347,15 @@ class Covered:
 
         filename, _, function = self.test.partition("::")
         source = (ROOT / "tests" / filename).read_text()
-        (node,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function]
+        tree = ast.parse(source)
+        (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
         body = ast.get_source_segment(source, node)
+        early = [n.value for n in tree.body if isinstance(n, ast.Assign) and "EARLY_RUNS" in ast.unparse(n.targets[0])]
+        fixtures = {a.arg for a in node.args.args}
+        for key, value in zip(early[0].keys, early[0].values) if early else ():
+            if isinstance(key, ast.Constant) and key.value in fixtures and isinstance(value, ast.Name):
+                (builder,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == value.id]
+                body += "\n" + ast.get_source_segment(source, builder)
         for name in self.names:
             assert name in body, f"tests/{self.test} no longer mentions {name!r}"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,21 +25,23 @@ def _importable(name: str) -> bool:
         return False
 
 
+def _build_run(workdir: Path) -> dict:
+    args = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+            "--site-dir", str(workdir / "site")]  # fmt: skip
+    return {"args": args, "cwd": ROOT, "env": {**os.environ, "NO_MKDOCS_2_WARNING": "1"}, "timeout": 300}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"site": _build_run}
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
+def site(early_runs) -> Path:
     missing = [name for name in DOCS_PACKAGES if not _importable(name)]
     if missing:
         pytest.fail(f"{missing} not installed: install the docs extra with pip install -e '.[docs]'")
-    out = tmp_path_factory.mktemp("docs") / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = early_runs.result(__name__, "site")
+    out = proc.workdir / "site"
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return out
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -86,16 +85,30 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-@pytest.mark.slow
-def test_headline_example_runs_end_to_end(tmp_path, monkeypatch):
-    """`python examples/fp8_lm/train.py fit --config examples/fp8_lm/configs/cpu.yaml`, shortened to 4 steps."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])  # for the in-process parsing at the end
+def _headline_run(workdir: Path) -> dict:
     cmd = [
         sys.executable, str(LM_DIR / "train.py"), "fit", "--config", str(CONFIGS / "cpu.yaml"), *SHORT,
         "--trainer.callbacks.log_every_n_steps", "2",  # the FP8StatsCallback (the last callback in the list)
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return {"args": cmd, "cwd": workdir, "env": env, "timeout": 600}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"headline_run": _headline_run}
+
+
+@pytest.fixture
+def headline_run(early_runs):
+    return early_runs.result(__name__, "headline_run")
+
+
+@pytest.mark.slow
+def test_headline_example_runs_end_to_end(headline_run, monkeypatch):
+    """`python examples/fp8_lm/train.py fit --config examples/fp8_lm/configs/cpu.yaml`, shortened to 4 steps (run in
+    its own folder, started early: tests/conftest.py)."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # for the in-process parsing at the end
+    cmd, proc, tmp_path = headline_run.args, headline_run, headline_run.workdir
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout
 

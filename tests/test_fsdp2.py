@@ -12,13 +12,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from utils import gloo_check_folder
 
 import lightning_fp8 as lf
 from lightning_fp8.distributed import (
@@ -111,18 +111,29 @@ def test_trainer_fsdp2_distributed_checkpoint_resumes_exactly(trainer_runs):
     assert ckpt.is_dir() and (ckpt / ".metadata").exists()
 
 
+def _consolidate_run(workdir):
+    """Lightning's command line on the FSDP2 run's distributed checkpoint, once the 2-process checks are done."""
+
+    def args(gloo_run):
+        checkpoint = gloo_check_folder(gloo_run, TRAINER_FSDP2) / "epoch1.ckpt"
+        out = workdir / "consolidated.ckpt"
+        return [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", checkpoint, "--output_file", out]
+
+    return {"after": ("conftest", "gloo_runs"), "args": args, "cwd": os.getcwd(), "timeout": 300}
+
+
+@pytest.fixture
+def consolidate_run(early_runs):
+    return early_runs.result(__name__, "consolidate_run")
+
+
 @pytest.mark.slow
 @TRAINER_RUNS
-def test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model(trainer_runs, tmp_path):
+def test_trainer_fsdp2_checkpoint_consolidates_into_an_unconverted_model(trainer_runs, consolidate_run):
+    """The consolidation runs early, after the 2-process checks (tests/conftest.py)."""
     from models import TinyDecoder
 
-    out = tmp_path / "consolidated.ckpt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(trainer_runs.fsdp2 / "epoch1.ckpt"), "--output_file", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, out = consolidate_run, consolidate_run.workdir / "consolidated.ckpt"
     assert proc.returncode == 0, proc.stderr[-3000:]
     checkpoint = torch.load(out, weights_only=True)  # tensors and plain values only, FP8 state included
     plain = TinyDecoder(dim=128, heads=4, layers=2)
@@ -486,18 +497,22 @@ def test_a_layer_switched_to_high_precision_under_fp8_all_gather_warns_and_train
         assert torch.isfinite(loss)
 
 
-@pytest.mark.slow
-def test_the_fsdp2_example_runs(tmp_path):
-    """examples/fsdp2_fp8.py, shortened: tensor parallel 2 on 2 CPU processes (the 2-D mesh: FSDP2 and TP)."""
+def _example_run(workdir):
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "fsdp2_fp8.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--steps", "3", "--tensor-parallel", "2", "--checkpoint", str(tmp_path / "ckpt")],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = [sys.executable, script, "--steps", "3", "--tensor-parallel", "2", "--checkpoint", str(workdir / "ckpt")]
+    return {"args": args, "cwd": workdir, "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "timeout": 600}
+
+
+@pytest.fixture
+def example_run(early_runs):
+    return early_runs.result(__name__, "example_run")
+
+
+@pytest.mark.slow
+def test_the_fsdp2_example_runs(example_run):
+    """examples/fsdp2_fp8.py, shortened: tensor parallel 2 on 2 CPU processes (the 2-D mesh: FSDP2 and TP); started
+    early (tests/conftest.py)."""
+    proc, tmp_path = example_run, example_run.workdir
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "after 3 steps; distributed checkpoint" in proc.stdout
     assert (tmp_path / "ckpt" / ".metadata").exists()
@@ -911,21 +926,46 @@ print("finished", rank)
 '''
 
 
-@pytest.mark.slow
-def test_one_rank_running_another_model_alone_does_not_hang_the_gather_scales(tmp_path):
-    """The scales' all-reduce is decided where FSDP2 gathers (every rank gathers), never in a forward that one rank
-    runs alone; 2 processes on gloo, a 60 s collective timeout turns a hang into a failure."""
-    script = tmp_path / "one_rank_evaluates.py"
+# starts both ranks of a script, each with its output in files, and records each one's exit code
+_TWO_RANKS = """
+import subprocess, sys
+script, store, out = sys.argv[1:]
+procs = []
+for rank in (0, 1):
+    with open(f"{out}/rank{rank}.out", "w") as stdout, open(f"{out}/rank{rank}.err", "w") as stderr:
+        procs.append(subprocess.Popen([sys.executable, script, str(rank), store], stdout=stdout, stderr=stderr))
+for rank, p in enumerate(procs):
+    code = p.wait()
+    with open(f"{out}/rank{rank}.code", "w") as f:
+        f.write(str(code))
+"""
+
+
+def _one_rank_run(workdir):
+    script = workdir / "one_rank_evaluates.py"
     script.write_text(_ONE_RANK_EVALUATES)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    store = tmp_path / "store"
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(rank), str(store)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0 and f"finished {rank}" in out, err[-4000:]
+    args = [sys.executable, "-c", _TWO_RANKS, str(script), str(workdir / "store"), str(workdir)]
+    return {"args": args, "cwd": workdir, "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "timeout": 300}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"consolidate_run": _consolidate_run, "example_run": _example_run, "one_rank_run": _one_rank_run}
+
+
+@pytest.fixture
+def one_rank_run(early_runs):
+    return early_runs.result(__name__, "one_rank_run")
+
+
+@pytest.mark.slow
+def test_one_rank_running_another_model_alone_does_not_hang_the_gather_scales(one_rank_run):
+    """The scales' all-reduce is decided where FSDP2 gathers (every rank gathers), never in a forward that one rank
+    runs alone; 2 processes on gloo, a 60 s collective timeout turns a hang into a failure (started early:
+    tests/conftest.py)."""
+    for rank in (0, 1):
+        code, stdout, stderr = (one_rank_run.workdir / f"rank{rank}.{kind}" for kind in ("code", "out", "err"))
+        code, stdout, stderr = (p.read_text() if p.exists() else None for p in (code, stdout, stderr))
+        assert code == "0" and f"finished {rank}" in stdout, (code, stderr and stderr[-4000:], one_rank_run.stderr[-2000:])
 
 
 def test_layers_wrapped_without_prepare_for_sharding_still_get_their_scales(one_rank_group):

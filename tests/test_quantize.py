@@ -269,7 +269,24 @@ print("compiled casts: bit-identical")
 """
 
 
-def test_the_compiled_cast_and_counts_equal_the_eager_ones():
+def _compiled_cast_run(workdir):
+    import os
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return {"args": [sys.executable, "-c", _COMPILED_CAST_CHECK], "cwd": os.getcwd(), "env": env, "timeout": 600}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"compiled_cast_run": _compiled_cast_run}
+
+
+@pytest.fixture
+def compiled_cast_run(early_runs):
+    return early_runs.result(__name__, "compiled_cast_run")
+
+
+def test_the_compiled_cast_and_counts_equal_the_eager_ones(compiled_cast_run):
     """Under torch.compile the cast and its counts take a form inductor vectorises (no FP8 byte reads, no scalar NaN
     tests): FP8 bits and counts must be the eager ones exactly, for both formats, on every bfloat16 bit pattern
     (zeros, subnormals, the values around each format's rounding-to-zero bound, NaN, +-Inf) under several scales, a
@@ -277,10 +294,5 @@ def test_the_compiled_cast_and_counts_equal_the_eager_ones():
     interpreter: in the full CI session (a fresh venv), inductor's C++ toolchain setup failed inside setuptools'
     distutils shim (``assert '_distutils' in core.__file__``) after earlier tests; alone it passes (cause not pinned
     down)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILED_CAST_CHECK], capture_output=True, text=True, timeout=600, env=env)
+    proc = compiled_cast_run
     assert proc.returncode == 0 and "bit-identical" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

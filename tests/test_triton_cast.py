@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 import zlib
@@ -597,12 +596,22 @@ def _run_in_interpreter() -> None:
     print(MARKER + json.dumps(report), flush=True)
 
 
-@pytest.fixture(scope="module")
-def interpreter_report() -> dict:
+def _interpreter_run(workdir: Path) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())], env=env, capture_output=True, text=True, timeout=600
-    )
+    return {"args": [sys.executable, str(Path(__file__).resolve())], "cwd": os.getcwd(), "env": env, "timeout": 600}
+
+
+def _without_triton_run(workdir: Path) -> dict:
+    return {"args": [sys.executable, "-c", _WITHOUT_TRITON], "cwd": os.getcwd(), "timeout": 300}
+
+
+# started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
+EARLY_RUNS = {"interpreter_report": _interpreter_run, "without_triton_run": _without_triton_run}
+
+
+@pytest.fixture(scope="module")
+def interpreter_report(early_runs) -> dict:
+    proc = early_runs.result(__name__, "interpreter_report")
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     if proc.returncode != 0 or len(lines) != 1:
         pytest.fail(
@@ -898,18 +907,26 @@ def test_triton_cast_rejects_what_it_does_not_support(x, scale, fp8, error):
         triton_cast_with_statistics(x, scale, fp8)
 
 
-def test_package_imports_and_casts_without_triton():
-    code = (
-        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "import torch, lightning_fp8\n"
-        "from lightning_fp8.quantize import cast_with_statistics\n"
-        "from lightning_fp8.triton_cast import _triton_available\n"
-        "assert not _triton_available()\n"
-        "data, counts = cast_with_statistics(torch.tensor([1.0, 1e9, 0.0]), torch.tensor(1.0), torch.float8_e4m3fn)\n"
-        "assert counts.tolist() == [2, 1, 0], counts\n"
-        "print('OK')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+_WITHOUT_TRITON = (
+    "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+    "import torch, lightning_fp8\n"
+    "from lightning_fp8.quantize import cast_with_statistics\n"
+    "from lightning_fp8.triton_cast import _triton_available\n"
+    "assert not _triton_available()\n"
+    "data, counts = cast_with_statistics(torch.tensor([1.0, 1e9, 0.0]), torch.tensor(1.0), torch.float8_e4m3fn)\n"
+    "assert counts.tolist() == [2, 1, 0], counts\n"
+    "print('OK')\n"
+)
+
+
+@pytest.fixture
+def without_triton_run(early_runs):
+    return early_runs.result(__name__, "without_triton_run")
+
+
+def test_package_imports_and_casts_without_triton(without_triton_run):
+    """``_WITHOUT_TRITON`` in a fresh interpreter (started early: tests/conftest.py)."""
+    proc = without_triton_run
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-4000:]
 
 

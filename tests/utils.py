@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import lightning as L
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -51,3 +52,9 @@ def per_layer(fp8_state: dict) -> dict[str, dict]:
     from lightning_fp8.state import fp8_state_layer_names, layer_state
 
     return {name: layer_state(fp8_state, name) for name in fp8_state_layer_names(fp8_state)}
+
+
+def gloo_check_folder(run, check: str) -> Path:
+    """The folder of ``check`` in a run of tests/scripts/gloo_checks.py started by conftest's ``gloo_runs`` (an
+    ``EarlyResult``): gloo_checks.py's ``folder`` rule."""
+    return Path(run.workdir) / "checks" / check.replace("/", "__").replace(",", "-")
