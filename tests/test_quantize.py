@@ -203,29 +203,40 @@ def test_current_scaling_reports_no_overflow(recipe):
     assert table.counts[0, INPUT, SEEN].item() == 300 * 32 * 32
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_count_shortcuts_equal_the_direct_formulas(dtype):
-    """For a scale from the tensor's own amax, cast_statistics reads the overflows from the FP8 bits: the counts must
-    be exactly those of the direct formulas, on the cases that could tell them apart (zeros, -0.0, NaN, +-Inf,
-    float32 subnormals, a NaN scale turning zeros into NaN)."""
+def test_count_shortcuts_equal_the_direct_formulas(dtype, x_dtype):
+    """The eager counts (integer and arithmetic shortcuts, and for a scale from the tensor's own amax the overflows
+    read from the FP8 bits) must be exactly those of the direct formulas, on the cases that could tell them apart:
+    zeros, -0.0, NaN, +-Inf, subnormals of the input dtype, per-row scales with a NaN row (its zeros become NaN),
+    zero and infinite scales, a transposed (non-contiguous) input."""
     from lightning_fp8.recipe import FP8_MAX, amax_to_scale
 
     fp8_max = FP8_MAX[dtype]
-    x = torch.randn(64, 96) * torch.logspace(-12, 6, 96)
-    x[0, :4] = torch.tensor([0.0, -0.0, float("nan"), float("inf")])
-    x[1, :3] = torch.tensor([float("-inf"), 1e-45, -1e-40])  # subnormal float32 values
+    info = torch.finfo(x_dtype)
+    x = (torch.randn(64, 96) * torch.logspace(-12, 6, 96)).to(x_dtype)
+    x[0, :4] = torch.tensor([0.0, -0.0, float("nan"), float("inf")], dtype=x_dtype)
+    x[1, :4] = torch.tensor([float("-inf"), info.smallest_normal / 4, -info.smallest_normal / 8, info.max], dtype=x_dtype)
+    x[2:5, ::3] = 0.0
+    x[4, 7] = float("nan")  # row 4: zeros and a NaN
     for finite in (False, True):
         t = torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-2.0) if finite else x
-        own = amax_to_scale(t.abs().amax(), fp8_max)  # may be NaN (x holds a NaN): all elements overflow
-        for scale, overflow_free in [(own, True), (own, False), (torch.tensor(1e3), False), (torch.tensor(3.0), False)]:
-            x_scaled = t.float() * scale
-            data = saturated_cast(x_scaled, dtype)
-            direct = torch.stack([
-                torch.count_nonzero(t != 0),
-                torch.count_nonzero(~(x_scaled.abs() <= fp8_max)),
-                torch.count_nonzero((t != 0) & ((data.view(torch.uint8) & 0x7F) == 0)),
-            ])  # fmt: skip
-            assert torch.equal(cast_statistics(t, x_scaled, data, overflow_free), direct), (finite, float(scale))
+        own = amax_to_scale(t.abs().amax().float(), fp8_max)  # may be NaN (x holds a NaN): all elements overflow
+        rows = amax_to_scale(t.abs().amax(dim=1, keepdim=True).float(), fp8_max)  # NaN for the rows with a NaN
+        scales = [(own, True), (own, False), (rows, True), (torch.tensor(1e3), False), (torch.tensor(3.0), False),
+                  (torch.tensor(0.0), False), (torch.tensor(float("inf")), False)]  # fmt: skip
+        for view in (t, t.t()):
+            for scale, overflow_free in scales:
+                scale = scale.t() if view is not t and scale.dim() == 2 else scale
+                x_scaled = view.float() * scale
+                data = saturated_cast(x_scaled, dtype)
+                direct = torch.stack([
+                    torch.count_nonzero(view != 0),
+                    torch.count_nonzero(~(x_scaled.abs() <= fp8_max)),
+                    torch.count_nonzero((view != 0) & ((data.view(torch.uint8) & 0x7F) == 0)),
+                ])  # fmt: skip
+                got = cast_statistics(view, x_scaled, data, overflow_free)
+                assert torch.equal(got, direct), (finite, scale.shape, overflow_free, got, direct)
 
 
 _COMPILED_CAST_CHECK = r"""
