@@ -57,9 +57,9 @@ from lightning_fp8.state import FP8StateTable
 #: compare the two bit for bit).
 CACHE_WEIGHT_CASTS = True
 
-#: Layers that read the same input tensor (attention's q/k/v, the MLP's gate/up) share its FP8 casts when the cast's
-#: scale comes from the input alone (every recipe's but ``delayed``'s): one cast, and one FP8 copy saved for backward
-#: instead of one per layer. ``False`` casts in every layer (the tests compare the two bit for bit).
+#: Layers that read the same input tensor (attention's q/k/v, the MLP's gate/up) share its FP8 casts: one cast, and
+#: one FP8 copy saved for backward instead of one per layer (``delayed``: the first layer's cast, scaled from its
+#: history; see :class:`FP8Linear`). ``False`` casts in every layer (the tests compare the two bit for bit).
 SHARE_INPUT_CASTS = True
 
 #: ``(layer, spec, history) -> Quantized | None``: see the module docstring.
@@ -84,6 +84,9 @@ class _LinearCall:
     tp: TensorParallelLayout | None = None  #: tensor parallelism: the layer computes on local pieces
     #: the layer's input tensor, whose FP8 casts other layers may share (``None``: no sharing); the forward clears it
     input_source: Tensor | None = None
+    #: the input's history-scaled cast came from another layer's (``delayed``): its scale is final, whatever this
+    #: layer's history says (an activation-checkpointing recomputation must replay exactly that scale)
+    input_scale_final: bool = False
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views)."""
@@ -101,9 +104,11 @@ class _LinearCall:
     def quantize_input(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
         """Quantize the input ``x`` (the layer's input, flattened), sharing the cast with the other layers that read the
         same input tensor (see ``SHARE_INPUT_CASTS``): the casts live on that tensor, keyed by cast spec and the dtype
-        cast, valid while its version counter is unchanged. Each layer records the statistics in its own row."""
+        cast, valid while its version counter is unchanged. Each layer records the statistics in its own row. A
+        history-scaled cast (``delayed``) comes from the first layer's history; a recomputation (``history`` given:
+        the original forward's scale) replays its own cast instead."""
         source = self.input_source
-        if source is None or spec.scale_source != "current":
+        if source is None or history is not None:
             return self.quantize(x, spec, record, history)
         casts = source.__dict__.get("_fp8_input_casts")
         if casts is None:
@@ -113,6 +118,7 @@ class _LinearCall:
         if entry is not None and entry[0] == source._version and (not record or entry[1].stats is not None):
             if record:
                 self.record(spec.role, entry[1])
+            self.input_scale_final = spec.scale_source == "history"
             return entry[1]
         q = self.quantize(x, spec, record, history)
         casts[key] = (source._version, q)
@@ -320,12 +326,15 @@ class FP8Linear(FP8Module, nn.Linear):
     fuses the cast into the graph).
 
     Layers that read the same input tensor (attention's q, k and v projections, the gate and up projections of a
-    SwiGLU MLP) share its FP8 casts whenever the scale comes from the input alone (every recipe but ``delayed``,
-    whose scales come from each layer's own history): the input is cast once, and the layers save one FP8 copy of it
-    for backward instead of one each; the results are bit-identical, and each layer records the statistics in its own
-    row. The shared casts are kept on the input tensor (they live as long as it does) and are used while its version
-    counter is unchanged (an in-place change is seen). Eager mode only (a compiled graph shares identical casts by
-    itself); not under tensor parallelism nor ``torch.inference_mode``.
+    SwiGLU MLP) share its FP8 casts: the input is cast once, and the layers save one FP8 copy of it for backward
+    instead of one each; the results are bit-identical, and each layer records the statistics in its own row. Under
+    ``delayed`` the shared cast is the first layer's, scaled from that layer's input history: layers that always read
+    the same tensor record the same amaxes, so their histories and scales are equal and nothing changes; a layer that
+    sometimes reads another tensor (its history then differs) takes the first layer's scale whenever it shares. The
+    shared casts are kept on the input tensor (they live as long as it does) and are used while its version counter
+    is unchanged (an in-place change is seen). Eager mode only: a compiled graph shares identical casts by itself,
+    which under ``delayed`` are those of equal histories (with a differing history, each layer there casts with its
+    own scale); not under tensor parallelism nor ``torch.inference_mode``.
     """
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
@@ -450,6 +459,8 @@ class FP8Linear(FP8Module, nn.Linear):
         call.input_source = None  # the backward keeps the call: it must not keep the high-precision input alive
         if capture:
             if specs.history_scaled:
+                if call.input_scale_final:  # another layer's cast: replay its scale as it is
+                    ready[INPUT] = True
                 decision = decision._replace(history=((INPUT, WEIGHT), (qx.scale, qw.scale), ready))
             self._fp8_decision = decision
         out = out.reshape(*input.shape[:-1], weight.shape[0])

@@ -199,8 +199,10 @@ def test_a_dtype_round_trip_drops_the_kept_cast():
 # ------------------------------------------------------------------ sibling layers share their input's cast
 
 
-def _siblings(recipe: str, share: bool, monkeypatch, mutate_between: bool = False):
-    """q, k and v reading one input tensor; returns (outputs, grads, unique saved bytes, input casts made, histories)."""
+def _siblings(recipe: str, share: bool, monkeypatch, mutate_between: bool = False, steps: int = 1):
+    """q, k and v reading one input tensor, for ``steps`` training steps (SGD in between; each ``fp8_autocast`` rolls
+    the histories on exit, so ``delayed`` casts with history scales from the second step on); returns the last step's
+    (outputs, grads, unique saved bytes, input casts made, histories) and every step's outputs and gradients."""
     monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
     casts = []
     real = _QUANTIZE
@@ -213,25 +215,34 @@ def _siblings(recipe: str, share: bool, monkeypatch, mutate_between: bool = Fals
     monkeypatch.setattr(fp8_linear, "quantize", counting)
     torch.manual_seed(0)
     q, k, v = (lf.FP8Linear(128, 128, recipe=recipe) for _ in range(3))
-    x = torch.randn(4, 32, 128, requires_grad=True)
-    saved: dict[int, int] = {}
+    optimizer = torch.optim.SGD([p for m in (q, k, v) for p in m.parameters()], lr=0.5)
+    every_step = []
+    for step in range(steps):
+        x = torch.randn(4, 32, 128, requires_grad=True) * (1.0 + step)  # a range that changes: scales move
+        x.retain_grad()
+        saved: dict[int, int] = {}
+        casts.clear()
 
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast():
-            h = x * 2.0  # one activation tensor read by the three layers
-            out_q = q(h)
-            if mutate_between:
-                with torch.no_grad():
-                    h[0, 0] += 1000.0  # in place: the next layers must not reuse the earlier cast
-            y = out_q + k(h) + v(h)
-    y.float().sum().backward()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast():
+                h = x * 2.0  # one activation tensor read by the three layers
+                out_q = q(h)
+                if mutate_between:
+                    with torch.no_grad():
+                        h[0, 0] += 1000.0  # in place: the next layers must not reuse the earlier cast
+                y = out_q + k(h) + v(h)
+        optimizer.zero_grad()
+        y.float().sum().backward()
+        grads = [t.grad.clone() for t in (x, q.weight, k.weight, v.weight)]
+        every_step.append((y.detach(), grads))
+        optimizer.step()
     histories = [m.fp8_amax_history[0].clone() for m in (q, k, v)]
-    return y.detach(), [t.grad.clone() for t in (x, q.weight, k.weight, v.weight)], sum(saved.values()), casts, histories
+    return y.detach(), grads, sum(saved.values()), list(casts), histories, every_step
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -241,18 +252,69 @@ def test_layers_reading_one_input_share_its_fp8_cast(recipe, monkeypatch):
     assert torch.equal(shared[0], separate[0])
     assert all(torch.equal(a, b) for a, b in zip(shared[1], separate[1]))
     assert all(torch.equal(a, b) for a, b in zip(shared[4], separate[4]))  # each layer recorded its input's amax
-    if recipe == "delayed":  # scaled by each layer's own history: nothing to share
-        assert len(shared[3]) == len(separate[3]) == 3 and shared[2] == separate[2]
-        return
     # one cast of the input instead of three (two for the recipes that also cast it for grad_weight), and the three
     # layers save one FP8 copy of it (and its scales): two copies of 4 x 32 x 128 one-byte elements fewer
     assert len(separate[3]) == 3 * len(shared[3])
     assert 2 * 4 * 32 * 128 <= separate[2] - shared[2] <= 2 * 4 * 32 * 128 * 1.3
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_delayed_siblings_share_the_cast_with_history_scales_bit_for_bit(monkeypatch):
+    """``delayed`` scales each layer's input from its own amax history; siblings that always read the same tensor
+    record the same amaxes, so their histories and scales are equal and sharing the first one's cast changes no bit,
+    also once the scales come from the histories (steps 2 and 3), while casting and saving one copy instead of three."""
+    shared = _siblings("delayed", True, monkeypatch, steps=3)
+    separate = _siblings("delayed", False, monkeypatch, steps=3)
+    for (y_shared, g_shared), (y_separate, g_separate) in zip(shared[5], separate[5]):
+        assert torch.equal(y_shared, y_separate)
+        assert all(torch.equal(a, b) for a, b in zip(g_shared, g_separate))
+    assert all(torch.equal(a, b) for a, b in zip(shared[4], separate[4]))
+    assert bool((shared[4][0] > 0).sum() == 3)  # three amaxes in the history: the last step used a history scale
+    assert len(separate[3]) == 3 * len(shared[3]) == 3
+    assert 2 * 4 * 32 * 128 <= separate[2] - shared[2] <= 2 * 4 * 32 * 128 * 1.3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_an_input_changed_in_place_between_siblings_is_cast_again(recipe, monkeypatch):
     shared = _siblings(recipe, True, monkeypatch, mutate_between=True)
     separate = _siblings(recipe, False, monkeypatch, mutate_between=True)
     assert torch.equal(shared[0], separate[0])
     assert all(torch.equal(a, b) for a, b in zip(shared[1], separate[1]))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_delayed_sibling_with_another_history_takes_the_first_layers_cast(checkpoint):
+    """A ``delayed`` layer whose history differs from its sibling's (k joins after q has trained alone) shares q's
+    cast, scaled from q's history, whenever it reads the same tensor (the documented rule); an activation-checkpointing
+    recomputation replays exactly that scale, so the gradients equal those of the run without checkpointing."""
+    from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+    def run(use_checkpoint: bool):
+        torch.manual_seed(0)
+        q, k = lf.FP8Linear(64, 64, recipe="delayed"), lf.FP8Linear(64, 64, recipe="delayed")
+        for _ in range(2):  # q alone: its history fills, k's stays empty
+            with lf.fp8_autocast():
+                q(torch.randn(8, 64) * 3.0).sum().backward()
+        x = torch.randn(8, 64, requires_grad=True)
+        assert not bool(k.fp8_initialized[INPUT]) and bool(q.fp8_initialized[INPUT])  # the histories differ
+
+        def block(x):
+            h = x * 2.0
+            return q(h) + k(h)
+
+        with lf.fp8_autocast():
+            y = activation_checkpoint(block, x, use_reentrant=False) if use_checkpoint else block(x)
+        q.weight.grad = k.weight.grad = None
+        y.sum().backward()
+        return y.detach(), x.grad, q.weight.grad, k.weight.grad, q, k
+
+    y, *grads, q, k = run(checkpoint)
+    # k's output is that of k's weight applied to q's cast of h (q's history scale), not to a cast of its own
+    reference, *reference_grads, _, _ = run(False)
+    assert torch.equal(y, reference)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads))
+    fp8_linear.SHARE_INPUT_CASTS = False
+    try:
+        unshared, *_ = run(False)
+    finally:
+        fp8_linear.SHARE_INPUT_CASTS = True
+    assert not torch.equal(y, unshared)  # k's own (current) scale would give other bits
