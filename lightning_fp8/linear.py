@@ -105,8 +105,8 @@ class _LinearCall:
         """Quantize the input ``x`` (the layer's input, flattened), sharing the cast with the other layers that read the
         same input tensor (see ``SHARE_INPUT_CASTS``): the casts live on that tensor, keyed by cast spec and the dtype
         cast, valid while its version counter is unchanged. Each layer records the statistics in its own row. A
-        history-scaled cast (``delayed``) comes from the first layer's history; a recomputation (``history`` given:
-        the original forward's scale) replays its own cast instead."""
+        history-scaled cast (``delayed``) comes from the first layer's history and is valid until that layer's table
+        rolls; a recomputation (``history`` given: the original forward's scale) replays its own cast instead."""
         source = self.input_source
         if source is None or history is not None:
             return self.quantize(x, spec, record, history)
@@ -115,13 +115,20 @@ class _LinearCall:
             casts = source.__dict__["_fp8_input_casts"] = {}
         key = (spec, x.dtype, x.shape)
         entry = casts.get(key)
-        if entry is not None and entry[0] == source._version and (not record or entry[1].stats is not None):
+        if (
+            entry is not None
+            and entry[0] == source._version
+            and (entry[2] is None or entry[2][0].generation == entry[2][1])  # a history scale: not rolled since
+            and (not record or entry[1].stats is not None)
+        ):
             if record:
                 self.record(spec.role, entry[1])
             self.input_scale_final = spec.scale_source == "history"
             return entry[1]
         q = self.quantize(x, spec, record, history)
-        casts[key] = (source._version, q)
+        # a history-scaled cast is valid while the casting layer's table keeps its generation (an input that lives
+        # across steps must not keep a scale from before a roll)
+        casts[key] = (source._version, q, (self.table, self.table.generation) if spec.scale_source == "history" else None)
         return q
 
     def quantize_weight(

@@ -318,3 +318,25 @@ def test_delayed_sibling_with_another_history_takes_the_first_layers_cast(checkp
     finally:
         fp8_linear.SHARE_INPUT_CASTS = True
     assert not torch.equal(y, unshared)  # k's own (current) scale would give other bits
+
+
+def test_delayed_cast_of_a_persistent_input_is_not_reused_after_a_roll(monkeypatch):
+    """A shared ``delayed`` cast is scaled from a history: once the histories roll, a cast kept on an input tensor
+    that lives across steps (the same batch object, unchanged) is stale and must not be reused."""
+
+    def run(share: bool):
+        monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+        torch.manual_seed(0)
+        q, k = lf.FP8Linear(64, 64, recipe="delayed"), lf.FP8Linear(64, 64, recipe="delayed")
+        x = torch.randn(8, 64) * 5.0  # one tensor read in every step
+        outputs = []
+        for step in range(3):
+            with lf.fp8_autocast():  # rolls on exit: the next step's scales come from the updated histories
+                outputs.append((q(x) + k(x)).detach())
+            with lf.fp8_autocast():  # both read a wider tensor: the histories move together, so the scales do
+                h = torch.randn(8, 64) * (10.0 + step)
+                q(h), k(h)
+        return outputs
+
+    for shared, separate in zip(run(True), run(False)):
+        assert torch.equal(shared, separate)
