@@ -58,8 +58,8 @@ from lightning_fp8.state import FP8StateTable
 CACHE_WEIGHT_CASTS = True
 
 #: Layers that read the same input tensor (attention's q/k/v, the MLP's gate/up) share its FP8 casts: one cast, and
-#: one FP8 copy saved for backward instead of one per layer (``delayed``: the first layer's cast, scaled from its
-#: history; see :class:`FP8Linear`). ``False`` casts in every layer (the tests compare the two bit for bit).
+#: one FP8 copy saved for backward instead of one per layer (``delayed``: between rows of one state table whose input
+#: state is equal; see :class:`FP8Linear`). ``False`` casts in every layer (the tests compare the two bit for bit).
 SHARE_INPUT_CASTS = True
 
 #: ``(layer, spec, history) -> Quantized | None``: see the module docstring.
@@ -84,8 +84,8 @@ class _LinearCall:
     tp: TensorParallelLayout | None = None  #: tensor parallelism: the layer computes on local pieces
     #: the layer's input tensor, whose FP8 casts other layers may share (``None``: no sharing); the forward clears it
     input_source: Tensor | None = None
-    #: the input's history-scaled cast came from another layer's (``delayed``): its scale is final, whatever this
-    #: layer's history says (an activation-checkpointing recomputation must replay exactly that scale)
+    #: the input's history-scaled cast came from another layer's (``delayed``): an activation-checkpointing
+    #: recomputation must replay exactly its scale
     input_scale_final: bool = False
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
@@ -104,32 +104,63 @@ class _LinearCall:
     def quantize_input(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
         """Quantize the input ``x`` (the layer's input, flattened), sharing the cast with the other layers that read the
         same input tensor (see ``SHARE_INPUT_CASTS``): the casts live on that tensor, keyed by cast spec and the dtype
-        cast, valid while its version counter is unchanged. Each layer records the statistics in its own row. A
-        history-scaled cast (``delayed``) comes from the first layer's history and is valid until that layer's table
-        rolls; a recomputation (``history`` given: the original forward's scale) replays its own cast instead."""
+        cast, valid while its version counter is unchanged. Each layer records the statistics in its own row.
+
+        A history-scaled cast (``delayed``) is shared only between rows of the same state table whose input state
+        (history, pending amax, scale, readiness) is equal, which the table's host tokens say without reading the
+        device (:meth:`~lightning_fp8.state.FP8StateTable.lineage`): the follower's token must be the caster's from
+        before the cast, and recording the shared cast gives it the caster's new one; the cast is valid until the
+        table rolls. A recomputation (``history`` given: the original forward's scale) replays its own cast."""
         source = self.input_source
-        if source is None or history is not None:
-            return self.quantize(x, spec, record, history)
+        history_scaled = spec.scale_source == "history"
+        if torch.compiler.is_compiling():
+            q = self.quantize(x, spec, record, history)
+            if record and history_scaled:
+                # the graph records, not this code: no token is trusted again (a store, never read here, so no guard)
+                self.table.lineage_untrusted = True
+            return q
+        lineage = self.table.lineage() if history_scaled and history is None else None
+        if source is None or history is not None or (history_scaled and lineage is None):
+            q = self.quantize(x, spec, record, history)
+            if record and history_scaled:
+                self.own_input_record(lineage)
+            return q
         casts = source.__dict__.get("_fp8_input_casts")
         if casts is None:
             casts = source.__dict__["_fp8_input_casts"] = {}
         key = (spec, x.dtype, x.shape)
         entry = casts.get(key)
-        if (
-            entry is not None
-            and entry[0] == source._version
-            and (entry[2] is None or entry[2][0].generation == entry[2][1])  # a history scale: not rolled since
-            and (not record or entry[1].stats is not None)
-        ):
-            if record:
-                self.record(spec.role, entry[1])
-            self.input_scale_final = spec.scale_source == "history"
-            return entry[1]
+        if entry is not None and entry[0] == source._version and (not record or entry[1].stats is not None):
+            stamp = entry[2]
+            if stamp is None:  # the scale comes from the input alone
+                if record:
+                    self.record(spec.role, entry[1])
+                return entry[1]
+            # a history scale: shared only by rows of the same table whose input state equals the caster's (same
+            # token before its record), while that table has not rolled
+            table, generation, before, after = stamp
+            if table is self.table and generation == table.generation and lineage is not None and lineage[self.index] == before:
+                if record:
+                    self.record(spec.role, entry[1])
+                    lineage[self.index] = after  # the same record as the caster's: still equal
+                self.input_scale_final = True
+                return entry[1]
         q = self.quantize(x, spec, record, history)
-        # a history-scaled cast is valid while the casting layer's table keeps its generation (an input that lives
-        # across steps must not keep a scale from before a roll)
-        casts[key] = (source._version, q, (self.table, self.table.generation) if spec.scale_source == "history" else None)
+        stamp = None
+        if spec.scale_source == "history":
+            before = lineage[self.index] if lineage is not None else None
+            after = self.own_input_record(lineage) if record else before
+            stamp = (self.table, self.table.generation, before, after)
+        casts[key] = (source._version, q, stamp)
         return q
+
+    def own_input_record(self, lineage: list[int] | None) -> int | None:
+        """A history-scaled input cast of this layer's own was recorded: its row's input state is its own now (a new
+        token; nothing while the tokens are not trusted)."""
+        if lineage is None:
+            return None
+        lineage[self.index] = token = self.table.new_lineage()
+        return token
 
     def quantize_weight(
         self, weight: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None
@@ -335,13 +366,17 @@ class FP8Linear(FP8Module, nn.Linear):
     Layers that read the same input tensor (attention's q, k and v projections, the gate and up projections of a
     SwiGLU MLP) share its FP8 casts: the input is cast once, and the layers save one FP8 copy of it for backward
     instead of one each; the results are bit-identical, and each layer records the statistics in its own row. Under
-    ``delayed`` the shared cast is the first layer's, scaled from that layer's input history: layers that always read
-    the same tensor record the same amaxes, so their histories and scales are equal and nothing changes; a layer that
-    sometimes reads another tensor (its history then differs) takes the first layer's scale whenever it shares. The
+    ``delayed``, whose input scales come from each layer's history, layers share only while their input histories
+    are equal (same state table, and every amax one recorded the other recorded too, which the table tracks on the
+    host: siblings that always read the same tensor stay equal); a layer whose history differs (it joined later, it
+    sometimes reads another tensor, it is in eval mode while its sibling trains) casts with its own scale. The
     shared casts are kept on the input tensor (they live as long as it does) and are used while its version counter
-    is unchanged (an in-place change is seen). Eager mode only: a compiled graph shares identical casts by itself,
-    which under ``delayed`` are those of equal histories (with a differing history, each layer there casts with its
-    own scale); not under tensor parallelism nor ``torch.inference_mode``.
+    is unchanged (an in-place change is seen). Eager mode only (a compiled graph shares identical casts by itself;
+    once a compiled forward recorded a ``delayed`` input cast, the eager forwards of that table cast in every layer
+    until its rows are loaded again); not under tensor parallelism, ``torch.inference_mode``, or for a Parameter
+    read directly (optimizers change it in place, fused ones without bumping its version counter). Under data
+    parallelism the tokens are per rank: layers whose inputs differ between ranks' forwards (data-dependent control
+    flow) should be run with ``SHARE_INPUT_CASTS = False`` under ``delayed``.
     """
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).
@@ -447,12 +482,15 @@ class FP8Linear(FP8Module, nn.Linear):
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
         # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an
         # inference tensor has no version counter, and one cached on a normal tensor could not be saved for backward)
+        # nor for a leaf that requires grad (a Parameter read directly, e.g. learned queries): optimizers update it in
+        # place, and the fused ones without bumping its version counter
         share = (
             SHARE_INPUT_CASTS
             and tp is None
             and not torch.compiler.is_compiling()
             and not torch.is_inference_mode_enabled()
             and not input.is_inference()
+            and not (input.is_leaf and input.requires_grad)
         )
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
         x_spec, w_spec = specs.forward

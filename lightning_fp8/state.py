@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fp8.quantize import N_AMAX_BINS
-from lightning_fp8.recipe import FP8_MAX, GRAD_OUTPUT, ROLES, FP8Recipe, amax_to_scale
+from lightning_fp8.recipe import FP8_MAX, GRAD_OUTPUT, INPUT, ROLES, FP8Recipe, amax_to_scale
 
 #: Columns of ``counts``.
 COUNT_FIELDS: tuple[str, ...] = ("seen", "nonzero", "overflow", "underflow")
@@ -117,6 +117,13 @@ class FP8StateTable:
         self.counts_epoch = torch.zeros(n, dtype=torch.int64, **kw)
         self._fp8_max = None
         self.generation = getattr(self, "generation", 0) + 1
+        #: Host tokens, one per row: rows with equal tokens have equal input-role state (history, pending amax,
+        #: scale, readiness), so one cast serves them (see ``input_lineage``). Fresh rows are all equal.
+        self.input_lineage: list[int] = [0] * n
+        self._lineage_next = getattr(self, "_lineage_next", 1)
+        #: Set when a compiled forward recorded an input cast (its records do not update the tokens): no row's token
+        #: is trusted again until rows are written (:meth:`set_rows` compares their values).
+        self.lineage_untrusted = False
 
     @property
     def scale(self) -> Tensor:
@@ -185,7 +192,10 @@ class FP8StateTable:
         self.generation += 1
 
     def set_rows(self, name: str, index: Tensor, values: Tensor) -> None:
-        """Write ``values`` (rows of the exported ``name`` field) into rows ``index`` (a device index tensor)."""
+        """Write ``values`` (rows of the exported ``name`` field) into rows ``index`` (a device index tensor).
+
+        Not on the step path (loading, binding, calibration): the rows' input lineage is derived again from the
+        values, with one copy to the host."""
         values = values.to(self.device)
         self.generation += 1
         with torch.no_grad():
@@ -194,6 +204,47 @@ class FP8StateTable:
                     tensor.data.index_copy_(0, index, values[:, role])
             else:
                 getattr(self, name).data.index_copy_(0, index, values)
+        if name in ("scale", "amax_pending", "amax_history", "initialized"):
+            self._derive_input_lineage()
+
+    # ------------------------------------------------------------------ input lineage (host)
+    def lineage(self) -> list[int] | None:
+        """The rows' input lineage tokens, or ``None`` while they are not trusted (see ``lineage_untrusted``).
+
+        Tokens are host values kept next to the device state: two rows with the same token have recorded the same
+        input amaxes since their values were last equal (a shared cast records into both), so their input scales are
+        equal without reading the device. A table unpickled from an older version has none: untrusted."""
+        if self.__dict__.get("lineage_untrusted", True) or "input_lineage" not in self.__dict__:
+            return None
+        return self.input_lineage
+
+    def new_lineage(self) -> int:
+        """A token no row holds: the input-role state of a row that recorded a cast of its own."""
+        token = self._lineage_next
+        self._lineage_next += 1
+        return token
+
+    def _derive_input_lineage(self) -> None:
+        """Give rows whose input-role state is equal, value for value, the same token (a host copy of those rows)."""
+        self.lineage_untrusted = False
+        if self.device.type == "meta":
+            return
+        role = INPUT
+        rows = torch.cat(
+            [
+                self.role_scale[role].unsqueeze(1),
+                self.role_amax_pending[role].unsqueeze(1),
+                self.amax_history[:, role],
+                self.initialized[:, role].unsqueeze(1).float(),
+            ],
+            dim=1,
+        ).cpu()
+        tokens: dict[bytes, int] = {}
+        for row, values in enumerate(rows):
+            key = values.numpy().tobytes()  # bit patterns: NaN rows compare equal to themselves
+            if key not in tokens:
+                tokens[key] = self.new_lineage()
+            self.input_lineage[row] = tokens[key]
 
     def _role_max(self) -> Tensor:
         if self._fp8_max is None or self._fp8_max.device != self.device:

@@ -1,0 +1,84 @@
+"""The eager cast statistics (``_cast_statistics_eager``) against the definitions in ``cast_statistics``' docstring:
+every bf16 and fp16 bit pattern, float32 subnormals, wide float32/float64 ranges, per-tensor, row, column and block
+scales (0, inf, NaN, tiny, huge), non-contiguous views, with and without flush-to-zero."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from lightning_fp8.quantize import _NAN_MAGNITUDE, _cast_statistics_eager, saturated_cast
+from lightning_fp8.recipe import FP8_MAX
+
+SPECIAL = [0.0, float("inf"), float("nan"), -1.0, 1e-30, 1e30, 1.0, 2.0**-20, 2.0**20, 3.4e38, 1e-45, 2.0**-126]
+
+
+def _reference(x, x_scaled, data, overflow_free):
+    magnitude = data.view(torch.uint8) & 0x7F
+    nonzero = torch.count_nonzero(x != 0)
+    if overflow_free:
+        overflow = torch.count_nonzero(magnitude >= _NAN_MAGNITUDE[data.dtype])
+    else:
+        overflow = torch.count_nonzero(~(x_scaled.abs() <= FP8_MAX[data.dtype]))
+    underflow = torch.count_nonzero((x != 0) & (magnitude == 0))
+    return torch.stack([nonzero, overflow, underflow])
+
+
+def _check(x, scale, fp8):
+    x_scaled = x.to(torch.float32) * scale
+    data = saturated_cast(x_scaled, fp8)
+    for of in (False, True):
+        got = _cast_statistics_eager(x, x_scaled, data, of)
+        want = _reference(x, x_scaled, data, of)
+        assert torch.equal(got, want), (x.dtype, fp8, of, got.tolist(), want.tolist())
+
+
+def _all_patterns(dtype):
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return bits.view(dtype).reshape(256, 256)
+
+
+def _f32_subnormals(n=65536, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(1, 2**23, (n,), generator=g, dtype=torch.int32)
+    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int32) << 31
+    return (bits | sign).view(torch.float32).reshape(256, 256)
+
+
+SOURCES = {
+    "bf16_all": lambda: _all_patterns(torch.bfloat16),
+    "fp16_all": lambda: _all_patterns(torch.float16),
+    "f32_subnormal": _f32_subnormals,
+    "f32_random": lambda: torch.randn(256, 256) * torch.logspace(-40, 38, 256).reshape(256, 1),
+    "f64_random": lambda: torch.randn(256, 256, dtype=torch.float64) * torch.logspace(-300, 300, 256, dtype=torch.float64).reshape(256, 1),
+}
+
+
+@pytest.mark.parametrize("flush", [False, True])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_eager_counts_equal_the_definitions(source, fp8, flush):
+    x = SOURCES[source]()
+    old = torch.set_flush_denormal(flush)
+    try:
+        for s in SPECIAL:  # tensorwise
+            _check(x, torch.tensor(s), fp8)
+        g = torch.Generator().manual_seed(1)
+        row = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (256, 1), generator=g)]
+        col = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (1, 256), generator=g)]
+        _check(x, row, fp8)
+        _check(x, col, fp8)
+        _check(x.t(), row, fp8)  # non-contiguous input
+        _check(x[::2, 1::3], row[::2], fp8)
+        # block scales: (8, 8) blocks of 32 x 32
+        blk = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (8, 8), generator=g)]
+        xb = x.reshape(8, 32, 8, 32)
+        x_scaled = (xb.to(torch.float32) * blk[:, None, :, None]).reshape(256, 256)[:250, :250]
+        data = saturated_cast(x_scaled, fp8)
+        for of in (False, True):
+            got = _cast_statistics_eager(x[:250, :250], x_scaled, data, of)
+            want = _reference(x[:250, :250], x_scaled, data, of)
+            assert torch.equal(got, want), (source, "block", of, got.tolist(), want.tolist())
+    finally:
+        torch.set_flush_denormal(old)

@@ -1,0 +1,144 @@
+"""Sibling layers sharing their input's FP8 cast: ``SHARE_INPUT_CASTS`` on vs off, bit for bit, where sharing could
+go wrong (``delayed`` siblings in two state tables or with another history, an eval-mode sibling, parameter dtypes, a
+Parameter read directly under a fused optimizer, evaluation forwards of one input between micro-batches)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_fp8 as lf
+from lightning_fp8 import linear as fp8_linear
+from lightning_fp8.recipe import FP8Recipe
+from lightning_fp8.state import bind_state_tables
+
+
+def _run_siblings(share, monkeypatch, recipes, steps=4, scales=(8.0, 1.0, 1.0, 1.0), eval_k=False, dtype=None):
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    torch.manual_seed(0)
+    q, k = (lf.FP8Linear(64, 64, recipe=r) for r in recipes)
+    bind_state_tables(nn.ModuleList([q, k]))  # one table per recipe, as convert_to_fp8 makes
+    if eval_k:
+        k.eval()
+    if dtype is not None:
+        k.to(dtype)
+    opt = torch.optim.SGD([*q.parameters(), *k.parameters()], lr=0.01)
+    outs = []
+    for step in range(steps):
+        x = torch.randn(16, 64) * scales[step]
+        with lf.fp8_autocast():
+            h = x * 1.0
+            yq, yk = q(h), k(h)
+        outs.append((yq.detach().clone(), yk.detach().clone()))
+        opt.zero_grad()
+        (yq.float().sum() + yk.float().sum()).backward()
+        opt.step()
+    return outs
+
+
+def _assert_equal_runs(a, b):
+    bad = []
+    for step, ((qa, ka), (qb, kb)) in enumerate(zip(a, b)):
+        if not torch.equal(qa, qb):
+            bad.append((step, "q", (qa.float() - qb.float()).abs().max().item()))
+        if not torch.equal(ka, kb):
+            bad.append((step, "k", (ka.float() - kb.float()).abs().max().item()))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    "recipes",
+    [
+        # one table per recipe: the same CastSpec (the cache key) but another history rule
+        (FP8Recipe("delayed", amax_history_len=16), FP8Recipe("delayed", amax_history_len=1)),
+        (FP8Recipe("delayed"), FP8Recipe("delayed", amax_compute_algo="most_recent")),
+        (FP8Recipe("delayed", amax_history_len=1), FP8Recipe("delayed", amax_history_len=16)),
+    ],
+    ids=["history_len_16_vs_1", "max_vs_most_recent", "history_len_1_vs_16"],
+)
+@pytest.mark.parametrize("scales", [(8.0, 1.0, 1.0, 1.0), (8.0, 1.0, 8.0, 1.0)], ids=["drop", "spike"])
+def test_delayed_siblings_in_two_tables_with_the_same_cast_spec(recipes, scales, monkeypatch):
+    """Both layers always read the same tensor (equal recorded amaxes), but their tables derive scales differently
+    (one table per recipe; CastSpec, the cache key, has neither amax_history_len nor amax_compute_algo): the follower
+    takes the leader's scale when sharing. "spike" with the recipes reversed (most_recent / len 1 leading) saturates
+    the follower's input: about 63% relative error in k's output at step 2."""
+    shared = _run_siblings(True, monkeypatch, recipes, scales=scales)
+    separate = _run_siblings(False, monkeypatch, recipes, scales=scales)
+    _assert_equal_runs(shared, separate)
+
+
+def test_delayed_follower_in_eval_mode(monkeypatch):
+    """k frozen in eval mode (Lightning keeps submodule modes) reads the same tensor as the training q."""
+    shared = _run_siblings(True, monkeypatch, ("delayed", "delayed"), eval_k=True)
+    separate = _run_siblings(False, monkeypatch, ("delayed", "delayed"), eval_k=True)
+    _assert_equal_runs(shared, separate)
+
+
+def test_delayed_siblings_different_param_dtypes(monkeypatch):
+    shared = _run_siblings(True, monkeypatch, ("delayed", "delayed"), dtype=torch.float64)
+    separate = _run_siblings(False, monkeypatch, ("delayed", "delayed"), dtype=torch.float64)
+    _assert_equal_runs(shared, separate)
+
+
+@pytest.mark.parametrize("siblings", [1, 2])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_parameter_input_with_fused_optimizer(recipe, siblings, monkeypatch):
+    """A learned tensor read directly by FP8Linear layers (Perceiver latents / learned queries), trained by a fused
+    AdamW (which, on CPU in torch 2.13, does not bump the parameter's version counter), one fp8_autocast per step
+    (which rolls on exit, like the plugins once per optimizer step)."""
+
+    def run(share):
+        monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+        torch.manual_seed(0)
+        lat = nn.Parameter(torch.randn(16, 64))
+        layers = [lf.FP8Linear(64, 64, recipe=recipe) for _ in range(siblings)]
+        opt = torch.optim.AdamW([lat, *(p for m in layers for p in m.parameters())], lr=0.1, fused=True)
+        outs = []
+        for step in range(3):
+            with lf.fp8_autocast():
+                ys = [m(lat) for m in layers]
+            outs.append((ys[0].detach().clone(), ys[-1].detach().clone()))
+            opt.zero_grad()
+            sum(y.square().sum() for y in ys).backward()
+            opt.step()
+        return outs
+
+    _assert_equal_runs(run(True), run(False))
+
+
+@pytest.mark.parametrize("eval_ctx", ["no_grad", "inference_mode", "train_no_grad"])
+def test_delayed_accumulation_with_eval_forwards_on_the_same_input(eval_ctx, monkeypatch):
+    """A Fabric-style loop: defer_amax_history_roll=True, 3 micro-batches per step that reuse one input tensor, an
+    evaluation forward of the same tensor between micro-batches, a roll per optimizer step."""
+
+    def run(share):
+        monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+        torch.manual_seed(0)
+        q, k, v = (lf.FP8Linear(64, 64, recipe="delayed") for _ in range(3))
+        mods = nn.ModuleList([q, k, v])
+        opt = torch.optim.SGD(mods.parameters(), lr=0.05)
+        outs = []
+        for step in range(4):
+            x = torch.randn(16, 64) * (4.0 if step == 0 else 1.0)
+            for micro in range(3):
+                with lf.fp8_autocast(defer_amax_history_roll=True):
+                    ys = [m(x) for m in (q, k, v)]
+                    outs.append((ys[0].detach().clone(), ys[2].detach().clone()))
+                    (sum(y.sum() for y in ys) / 3).backward()
+                    if eval_ctx == "train_no_grad":
+                        ctx = torch.no_grad()
+                    else:
+                        mods.eval()
+                        ctx = torch.no_grad() if eval_ctx == "no_grad" else torch.inference_mode()
+                    with ctx:
+                        e = [m(x) for m in (k, q, v)]
+                    mods.train()
+                    outs.append((e[0].detach().clone(), e[2].detach().clone()))
+            opt.step()
+            opt.zero_grad()
+            lf.roll_amax_history(mods)
+        return outs
+
+    _assert_equal_runs(run(True), run(False))
