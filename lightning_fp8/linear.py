@@ -373,8 +373,10 @@ class FP8Linear(FP8Module, nn.Linear):
     shared casts are kept on the input tensor (they live as long as it does) and are used while its version counter
     is unchanged (an in-place change is seen). Eager mode only (a compiled graph shares identical casts by itself;
     once a compiled forward recorded a ``delayed`` input cast, the eager forwards of that table cast in every layer
-    until its rows are loaded again); not under tensor parallelism, ``torch.inference_mode``, or for a Parameter
-    read directly (optimizers change it in place, fused ones without bumping its version counter). Under data
+    until its rows are loaded again); not under tensor parallelism or ``torch.inference_mode``, and only for inputs
+    the forward computed with autograd recording (a leaf, such as a Parameter, a buffer or a batch read directly, or
+    anything computed under ``torch.no_grad()``, like a reentrant activation checkpoint's first forward, may change
+    in place without a version bump: fused optimizers, writes through ``.data``). Under data
     parallelism the tokens are per rank: layers whose inputs differ between ranks' forwards (data-dependent control
     flow) should be run with ``SHARE_INPUT_CASTS = False`` under ``delayed``.
     """
@@ -482,15 +484,16 @@ class FP8Linear(FP8Module, nn.Linear):
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
         # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an
         # inference tensor has no version counter, and one cached on a normal tensor could not be saved for backward)
-        # nor for a leaf that requires grad (a Parameter read directly, e.g. learned queries): optimizers update it in
-        # place, and the fused ones without bumping its version counter
+        # nor for a leaf (a Parameter or buffer read directly, a batch, anything under no_grad): a leaf may be changed
+        # in place without a version bump (fused optimizers, writes through .data such as weight averaging's swaps);
+        # the activations that siblings share are produced by the forward and have a grad_fn
         share = (
             SHARE_INPUT_CASTS
             and tp is None
             and not torch.compiler.is_compiling()
             and not torch.is_inference_mode_enabled()
             and not input.is_inference()
-            and not (input.is_leaf and input.requires_grad)
+            and not input.is_leaf
         )
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
         x_spec, w_spec = specs.forward

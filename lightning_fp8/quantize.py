@@ -127,8 +127,8 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bo
     into NaN, read from the FP8 bits instead of from the float32 ``x_scaled``: the same count, with fewer passes
     over float32 data.
 
-    Eager, the counts come from :func:`_cast_statistics_eager` (about a third cheaper on a CPU than boolean
-    masks); under ``torch.compile`` from the float values (:func:`_cast_statistics_from_values`), which inductor
+    Eager, the counts come from ``_cast_statistics_eager`` (about a third cheaper on a CPU than boolean
+    masks); under ``torch.compile`` from the float values (``_cast_statistics_from_values``), which inductor
     fuses into the cast's loop. Both equal the definitions above exactly.
     """
     if torch.compiler.is_compiling():

@@ -1,0 +1,164 @@
+"""Flows where shared input casts could differ from ``SHARE_INPUT_CASTS = False``: a compiled record, a reload and
+eager use of the same layers (the lineage tokens), a buffer changed through ``.data`` between forwards, accumulation
+with a sibling skipped and evaluation forwards in between."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import lightning_fp8 as lf
+from lightning_fp8 import linear as fp8_linear
+from lightning_fp8.recipe import INPUT
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(64, 64)
+        self.k = nn.Linear(64, 64)
+
+    def forward(self, a, b):
+        return self.q(a), self.k(b)
+
+
+def _pair(recipe="delayed"):
+    torch.manual_seed(0)
+    m = Pair()
+    lf.convert_to_fp8(m, recipe=recipe)
+    return m
+
+
+def _diff(a, b):
+    return [(i, (x.float() - y.float()).abs().max().item()) for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+
+
+# ---------------------------------------------------------------- compile, reload, compiled again, then eager
+def _compile_reload_then_eager(share, monkeypatch):
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    torch._dynamo.reset()
+    m = _pair()
+    sd0 = lf.fp8_state_dict(m)  # q and k rows equal
+    c = torch.compile(m, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    flags = []
+    for step in range(2):
+        with lf.fp8_autocast():  # compiled: q and k read different tensors (their histories diverge)
+            c(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g) * 50)
+        flags.append(m.q.fp8_state.table.lineage_untrusted)
+        if step == 0:
+            lf.load_fp8_state_dict(m, sd0)  # rows equal again: tokens derived and trusted
+            flags.append(m.q.fp8_state.table.lineage_untrusted)
+    # eager: q and k read one tensor
+    for _ in range(2):
+        h = torch.randn(8, 64, generator=g)
+        with lf.fp8_autocast():
+            yq, yk = m(h, h)
+        outs += [yq.detach(), yk.detach()]
+    return outs, flags, m.q.fp8_state.table.scale[:, INPUT].clone()
+
+
+def test_compiled_record_after_reload_untrusts_tokens(monkeypatch):
+    on, flags_on, s_on = _compile_reload_then_eager(True, monkeypatch)
+    off, _, s_off = _compile_reload_then_eager(False, monkeypatch)
+    assert not _diff(on, off), (_diff(on, off), flags_on, s_on, s_off)
+
+
+# ---------------------------------------------------------------- buffer read directly, changed through .data
+class BufPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(64, 64)
+        self.k = nn.Linear(64, 64)
+        self.register_buffer("mem", torch.randn(8, 64))
+
+    def forward(self):
+        return self.q(self.mem), self.k(self.mem)
+
+
+def _buffer_data_update(share, monkeypatch, recipe):
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    torch.manual_seed(0)
+    m = BufPair()
+    lf.convert_to_fp8(m, recipe=recipe)
+    outs = []
+    for step in range(3):
+        with lf.fp8_autocast(defer_amax_history_roll=True):
+            yq, yk = m()
+        outs += [yq.detach(), yk.detach()]
+        m.mem.data.mul_(3.0)  # as weight-averaging swaps do: no version bump
+        with lf.fp8_autocast(defer_amax_history_roll=True):  # same step (no roll)
+            yq, yk = m()
+        outs += [yq.detach(), yk.detach()]
+        lf.roll_amax_history(m)
+    return outs
+
+
+def test_buffer_changed_through_data_tensorwise(monkeypatch):
+    on, off = _buffer_data_update(True, monkeypatch, "tensorwise"), _buffer_data_update(False, monkeypatch, "tensorwise")
+    assert not _diff(on, off), _diff(on, off)
+
+
+def test_buffer_changed_through_data_delayed(monkeypatch):
+    on, off = _buffer_data_update(True, monkeypatch, "delayed"), _buffer_data_update(False, monkeypatch, "delayed")
+    assert not _diff(on, off), _diff(on, off)
+
+
+# ---------------------------------------------------------------- grad accumulation, sibling skipped, eval between
+def _accum(share, monkeypatch):
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    torch.manual_seed(0)
+    m = nn.ModuleDict(dict(q=nn.Linear(64, 64), k=nn.Linear(64, 64), v=nn.Linear(64, 64)))
+    lf.convert_to_fp8(m, recipe="delayed")
+    g = torch.Generator().manual_seed(2)
+    outs = []
+    for step in range(5):
+        for micro in range(3):
+            x = torch.randn(8, 64, generator=g) * (1 + 7 * (step % 2))
+            with lf.fp8_autocast(defer_amax_history_roll=True):
+                h = x * 1.0
+                names = ("q", "k", "v") if micro != 1 else ("v", "q")  # k skipped, order changed
+                ys = [m[n](h) for n in names]
+                if micro == 2:
+                    ys.append(m["q"](h))  # q twice on one tensor
+                    ys.append(m["k"](h))
+            sum(y.float().sum() for y in ys).backward()
+            outs += [y.detach() for y in ys]
+            with torch.no_grad(), lf.fp8_autocast(defer_amax_history_roll=True):  # eval forward between
+                m.eval()
+                outs += [m["k"](h), m["q"](h)]
+                m.train()
+        lf.roll_amax_history(m)
+    t = m["q"].fp8_state.table
+    outs += [t.amax_history.clone(), t.scale.clone(), t.counts.float()]
+    outs += [p.grad.clone() for p in m.parameters()]
+    return outs
+
+
+def test_accumulation_skip_eval_between(monkeypatch):
+    on, off = _accum(True, monkeypatch), _accum(False, monkeypatch)
+    assert not _diff(on, off), _diff(on, off)
+
+
+def _buffer_data_update_eval(share, monkeypatch, recipe):
+    """Evaluation forwards (no recording, not inference mode) of a buffer changed through ``.data`` in between."""
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    torch.manual_seed(0)
+    m = BufPair()
+    lf.convert_to_fp8(m, recipe=recipe)
+    with lf.fp8_autocast():  # one training forward: the delayed histories start
+        m()
+    m.eval()
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            with lf.fp8_autocast():
+                outs += [y.detach() for y in m()]
+            m.mem.data.mul_(3.0)
+    return outs
+
+
+def test_buffer_changed_through_data_eval_delayed(monkeypatch):
+    on, off = _buffer_data_update_eval(True, monkeypatch, "delayed"), _buffer_data_update_eval(False, monkeypatch, "delayed")
+    assert not _diff(on, off), _diff(on, off)
