@@ -17,15 +17,15 @@ import bench_llama
 import docs_tables
 import harness
 
-KINDS = ("bf16", "torchao-tensorwise", "ours-tensorwise")
+KINDS = ("bf16", "torchao-tensorwise", "ours-tensorwise", "ours-delayed")
 COMPILED = ("ours-tensorwise",)
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
-    """One run of the script's measurement code: test size, bf16, torchao and our tensorwise, eager, and ours compiled
-    with dynamo alone (``backend="eager"``: the graphs, graph breaks and recompilations without inductor's compile
-    time), written and read back as the script does. One thread: steadier on a loaded machine."""
+    """One run of the script's measurement code: test size, bf16, torchao, our tensorwise and delayed, eager, and ours
+    compiled with dynamo alone (``backend="eager"``: the graphs, graph breaks and recompilations without inductor's
+    compile time), written and read back as the script does. One thread: steadier on a loaded machine."""
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
