@@ -139,7 +139,8 @@ class _LinearCall:
             # a history scale: shared only by rows of the same table whose input state equals the caster's (same
             # token before its record), while that table has not rolled
             table, generation, before, after = stamp
-            if table is self.table and generation == table.generation and lineage is not None and lineage[self.index] == before:
+            same_state = lineage is not None and lineage[self.index] == before
+            if table is self.table and generation == table.generation and same_state:
                 if record:
                     self.record(spec.role, entry[1])
                     lineage[self.index] = after  # the same record as the caster's: still equal
@@ -376,9 +377,9 @@ class FP8Linear(FP8Module, nn.Linear):
     until its rows are loaded again); not under tensor parallelism or ``torch.inference_mode``, and only for inputs
     the forward computed with autograd recording (a leaf, such as a Parameter, a buffer or a batch read directly, or
     anything computed under ``torch.no_grad()``, like a reentrant activation checkpoint's first forward, may change
-    in place without a version bump: fused optimizers, writes through ``.data``). Under data
-    parallelism the tokens are per rank: layers whose inputs differ between ranks' forwards (data-dependent control
-    flow) should be run with ``SHARE_INPUT_CASTS = False`` under ``delayed``.
+    in place without a version bump: fused optimizers, writes through ``.data``). Under data parallelism the tokens
+    are per rank: layers whose inputs differ between ranks' forwards (data-dependent control flow) should be run with
+    ``SHARE_INPUT_CASTS = False`` under ``delayed``.
     """
 
     #: See the module docstring: hands over an already-quantized weight (``None``: quantize ``weight`` here).

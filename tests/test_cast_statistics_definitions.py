@@ -51,7 +51,9 @@ SOURCES = {
     "fp16_all": lambda: _all_patterns(torch.float16),
     "f32_subnormal": _f32_subnormals,
     "f32_random": lambda: torch.randn(256, 256) * torch.logspace(-40, 38, 256).reshape(256, 1),
-    "f64_random": lambda: torch.randn(256, 256, dtype=torch.float64) * torch.logspace(-300, 300, 256, dtype=torch.float64).reshape(256, 1),
+    "f64_random": lambda: (
+        torch.randn(256, 256, dtype=torch.float64) * torch.logspace(-300, 300, 256, dtype=torch.float64).reshape(256, 1)
+    ),
 }
 
 

@@ -30,7 +30,8 @@ def _pair(recipe="delayed"):
 
 
 def _diff(a, b):
-    return [(i, (x.float() - y.float()).abs().max().item()) for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+    pairs = enumerate(zip(a, b))
+    return [(i, (x.float() - y.float()).abs().max().item()) for i, (x, y) in pairs if not torch.equal(x, y)]
 
 
 # ---------------------------------------------------------------- compile, reload, compiled again, then eager
@@ -96,7 +97,8 @@ def _buffer_data_update(share, monkeypatch, recipe):
 
 
 def test_buffer_changed_through_data_tensorwise(monkeypatch):
-    on, off = _buffer_data_update(True, monkeypatch, "tensorwise"), _buffer_data_update(False, monkeypatch, "tensorwise")
+    on = _buffer_data_update(True, monkeypatch, "tensorwise")
+    off = _buffer_data_update(False, monkeypatch, "tensorwise")
     assert not _diff(on, off), _diff(on, off)
 
 
@@ -160,5 +162,6 @@ def _buffer_data_update_eval(share, monkeypatch, recipe):
 
 
 def test_buffer_changed_through_data_eval_delayed(monkeypatch):
-    on, off = _buffer_data_update_eval(True, monkeypatch, "delayed"), _buffer_data_update_eval(False, monkeypatch, "delayed")
+    on = _buffer_data_update_eval(True, monkeypatch, "delayed")
+    off = _buffer_data_update_eval(False, monkeypatch, "delayed")
     assert not _diff(on, off), _diff(on, off)
