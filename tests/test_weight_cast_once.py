@@ -319,24 +319,31 @@ def test_delayed_sibling_with_another_history_casts_its_own(checkpoint, monkeypa
         assert all(torch.equal(a, b) for a, b in zip(shared, separate))
 
 
-def test_delayed_cast_of_a_persistent_input_is_not_reused_after_a_roll(monkeypatch):
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_delayed_cast_of_a_persistent_input_is_not_reused_after_a_roll(evaluate, monkeypatch):
     """A shared ``delayed`` cast is scaled from a history: once the histories roll, a cast kept on an input tensor
-    that lives across steps (the same batch object, unchanged) is stale and must not be reused."""
+    that lives across steps (unchanged) is stale and must not be reused, also by evaluation forwards (which record
+    nothing, so the rows' tokens alone would not tell)."""
 
     def run(share: bool):
         monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
         torch.manual_seed(0)
         q, k = lf.FP8Linear(64, 64, recipe="delayed"), lf.FP8Linear(64, 64, recipe="delayed")
         bind_state_tables(torch.nn.ModuleList([q, k]))
-        x = torch.randn(8, 64) * 5.0  # one tensor read in every step
+        # one tensor read in every step; computed with autograd recording (a leaf would not be shared at all)
+        x = torch.randn(8, 64, requires_grad=True) * 5.0
         outputs = []
         for step in range(3):
+            q.train(not evaluate), k.train(not evaluate)
             with lf.fp8_autocast():  # rolls on exit: the next step's scales come from the updated histories
                 outputs.append((q(x) + k(x)).detach())
+            q.train(), k.train()
             with lf.fp8_autocast():  # both read a wider tensor: the histories move together, so the scales do
-                h = torch.randn(8, 64) * (10.0 + step)
+                h = torch.randn(8, 64) * (10.0 * 4.0**step)
                 q(h), k(h)
         return outputs
 
-    for shared, separate in zip(run(True), run(False)):
+    shared_outputs, separate_outputs = run(True), run(False)
+    assert not torch.equal(separate_outputs[1], separate_outputs[2])  # the scales moved
+    for shared, separate in zip(shared_outputs, separate_outputs):
         assert torch.equal(shared, separate)
