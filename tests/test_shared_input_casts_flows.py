@@ -117,9 +117,9 @@ def _accum(share, monkeypatch):
     outs = []
     for step in range(5):
         for micro in range(3):
-            x = torch.randn(8, 64, generator=g) * (1 + 7 * (step % 2))
+            x = torch.randn(8, 64, generator=g).requires_grad_() * (1 + 7 * (step % 2))
             with lf.fp8_autocast(defer_amax_history_roll=True):
-                h = x * 1.0
+                h = x * 1.0  # an activation (it has a grad_fn): what siblings share
                 names = ("q", "k", "v") if micro != 1 else ("v", "q")  # k skipped, order changed
                 ys = [m[n](h) for n in names]
                 if micro == 2:
