@@ -148,7 +148,7 @@ class _LinearCall:
                 return entry[1]
         q = self.quantize(x, spec, record, history)
         stamp = None
-        if spec.scale_source == "history":
+        if history_scaled:
             before = lineage[self.index] if lineage is not None else None
             after = self.own_input_record(lineage) if record else before
             stamp = (self.table, self.table.generation, before, after)

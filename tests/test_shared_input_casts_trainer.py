@@ -93,14 +93,17 @@ def _data(n=48, t=16, seed=0):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(idx[:, :-1], idx[:, 1:]), batch_size=4)
 
 
-def _fit(share, monkeypatch, ckpt=None, accumulate=2, steps=6, **plugin_kw):
+def _fit(share, monkeypatch, ckpt=None, trainer_kw=None, **plugin_kw):
+    """Six optimizer steps of two micro-batches each, validation after the fourth (``trainer_kw`` overrides)."""
     monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
     torch.manual_seed(0)
     model = SibModel(ckpt)
     model.input_casts = _count_input_casts(monkeypatch)
     plugin = FP8Precision(recipe="delayed", amax_history_len=4, **plugin_kw)
-    trainer = make_trainer(plugin, max_steps=steps, accumulate_grad_batches=accumulate, val_check_interval=4,
-                           limit_val_batches=2, check_val_every_n_epoch=None)
+    kw = dict(max_steps=6, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2,
+              check_val_every_n_epoch=None)
+    kw.update(trainer_kw or {})
+    trainer = make_trainer(plugin, **kw)
     trainer.fit(model, _data(), _data(8, seed=1))
     return model, plugin
 
@@ -132,20 +135,6 @@ def test_trainer_delayed_siblings_fp16_loss_scaling(init_scale, monkeypatch):
              _fit(False, monkeypatch, compute_dtype=torch.float16, init_scale=init_scale))
 
 
-def _fit_kw(share, monkeypatch, trainer_kw=None, ckpt=None, **plugin_kw):
-    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
-    torch.manual_seed(0)
-    model = SibModel(ckpt)
-    model.input_casts = _count_input_casts(monkeypatch)
-    plugin = FP8Precision(recipe="delayed", amax_history_len=4, **plugin_kw)
-    kw = dict(max_steps=6, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2,
-              check_val_every_n_epoch=None)
-    kw.update(trainer_kw or {})
-    trainer = make_trainer(plugin, **kw)
-    trainer.fit(model, _data(), _data(8, seed=1))
-    return model, plugin
-
-
 @pytest.mark.parametrize("variant", ["no_inference_mode", "calibration", "no_accumulate_most_recent"])
 def test_trainer_delayed_siblings_variants(variant, monkeypatch):
     if variant == "no_inference_mode":
@@ -154,7 +143,7 @@ def test_trainer_delayed_siblings_variants(variant, monkeypatch):
         args = dict(calibration_batches=2)
     else:
         args = dict(trainer_kw=dict(accumulate_grad_batches=1), amax_compute_algo="most_recent")
-    _compare(_fit_kw(True, monkeypatch, **args), _fit_kw(False, monkeypatch, **args))
+    _compare(_fit(True, monkeypatch, **args), _fit(False, monkeypatch, **args))
 
 
 def _fit_resume(share, monkeypatch, tmp):
