@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_fp8.quantize import blocked
-from lightning_fp8.recipe import BLOCKWISE_TILE, E4M3, E5M2, MX_BLOCK
+from lightning_fp8.recipe import BLOCKWISE_TILE, E4M3, E5M2, MX_BLOCK, stored
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def fp8_mm(
             raise ValueError("a block-scaled GEMM needs the block shape of both operands")
         return fp8_block_mm(a, b, scale_a, scale_b, block_a, block_b, out_dtype, use_fast_accum)
     a, b, scale_b, n = _pad_to_contract(a, b, scale_b)
-    inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
+    inv_a, inv_b = stored(scale_a.reciprocal()), stored(scale_b.reciprocal())  # once per scale, not per output
     check_scaled_mm_contract(a, b, inv_a, inv_b, out_dtype)
     if gemm_path(a.device) == "native":
         # torch._scaled_mm, not the public F.scaled_mm: the same cuBLAS kernel, and torch.compile traces it on every
@@ -424,7 +424,7 @@ def fp8_block_mm(
         b = _pad_fp8(b.t(), pad_n, pad_k).t()
         if block_b[1] == 1 and pad_n:
             scale_b = F.pad(scale_b, (0, pad_n), value=1.0)
-    inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
+    inv_a, inv_b = stored(scale_a.reciprocal()), stored(scale_b.reciprocal())  # once per scale, not per element
     k_blocks = a.shape[1] // tile_k
     native_a = _native_block_scale(inv_a, kind_a, "a", k_blocks)
     native_b = _native_block_scale(inv_b, kind_b, "b", k_blocks)

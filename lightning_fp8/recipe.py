@@ -400,4 +400,22 @@ def amax_to_scale(
         # float32 log2 rounds a scale just below 2**k up to exactly k: step back so the result is never
         # above the scale (a larger scale would push the amax past fp8_max and count it as an overflow).
         scale = torch.where(rounded > scale, rounded * 0.5, rounded)
-    return scale
+    return stored(scale)
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself; under ``torch.compile``, a tensor that inductor computes once into its own buffer.
+
+    Inductor inlines a chain of elementwise operations into every loop that reads its result. A scale is derived
+    from its amax by a dozen such operations (float64 division, round toward zero, power-of-two rounding), and its
+    readers are loops over the data: the cast, and the GEMM's output scaling, which reads a per-column scale once per
+    output element. Inlined there, the scale formula ran once per data element instead of once per scale (on a CPU,
+    most of the gap between the compiled ``rowwise`` step and torchao's). Used for the small per-tensor, per-row or
+    per-block tensors derived from amaxes, never for the data itself.
+
+    An identity ``as_strided`` view is the barrier: inductor's lowering of ``as_strided`` needs a stored input
+    (eager, it is skipped).
+    """
+    if torch.compiler.is_compiling():
+        return t.as_strided(t.shape, t.stride())
+    return t

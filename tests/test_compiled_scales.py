@@ -1,0 +1,113 @@
+"""Under ``torch.compile``, a cast's scale is computed once per scale element, not once per data element.
+
+Inductor inlines a chain of elementwise operations into every loop that reads its result. The scale formula
+(``amax_to_scale``: a float64 division rounded toward zero, then power-of-two rounding) and the GEMM's inverse scales
+were inlined into the cast and into the GEMM's output scaling, loops over the data: a per-column scale was re-derived
+from its amax for every output element. ``lightning_fp8.recipe.stored`` makes inductor store them once.
+
+The check reads the C++ that inductor generates for one training step of an FP8 layer on the CPU and finds, for
+every evaluation of the formula (its ``nextafter``) and every ``reciprocal``, the loops around it: the elements they
+cover must be fewer than those of the smallest tensor the step casts (a scale tensor has one element per tensor, row,
+column or block; a loop over the data covers at least the smallest tensor).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import lightning_fp8 as lf
+from lightning_fp8.recipe import RECIPES
+
+#: tokens, in features, out features: every tensor the step casts has at least TOKENS * IN elements, every scale
+#: tensor far fewer (the largest, mxfp8's weight scales, OUT * IN / 32)
+TOKENS, IN, OUT = 64, 128, 256
+
+_FOR = re.compile(
+    r"for\s*\(\s*int64_t\s+\w+\s*=\s*static_cast<int64_t>\((\d+)L?\);\s*\w+\s*<\s*static_cast<int64_t>\((\d+)L?\)"
+)
+
+
+def _loop_extents(code: str, needle: str) -> list[int]:
+    """For each line of the generated C++ that contains ``needle``: the product of the extents of the loops around it
+    (1 outside any loop). Inductor's CPU kernels put each brace on its own line, so the nesting is followed by
+    counting braces."""
+    extents: list[int] = []
+    open_loops: list[tuple[int, int]] = []  # (brace depth of the loop body, extent)
+    pending: int | None = None  # a for line whose body's brace has not been seen yet
+    depth = 0
+    for line in code.splitlines():
+        match = _FOR.search(line)
+        if match:
+            pending = int(match.group(2)) - int(match.group(1))
+        if needle in line:
+            product = 1
+            for _, extent in open_loops:
+                product *= extent
+            extents.append(product)
+        for char in line:
+            if char == "{":
+                depth += 1
+                if pending is not None:
+                    open_loops.append((depth, pending))
+                    pending = None
+            elif char == "}":
+                if open_loops and open_loops[-1][0] == depth:
+                    open_loops.pop()
+                depth -= 1
+    return extents
+
+
+def _compiled_step_code(recipe: str) -> str:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = nn.Linear(IN, OUT, bias=False)
+    lf.convert_to_fp8(layer, recipe=recipe, log_summary=False)
+    compiled = torch.compile(layer)
+    x = torch.randn(TOKENS, IN, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16), lf.fp8_autocast(defer_amax_history_roll=True):
+            out = compiled(x)
+        out.float().pow(2).mean().backward()
+
+    _, codes = run_and_get_code(step)
+    assert len(codes) == 2, "expected a forward and a backward graph"
+    return "\n".join(codes)
+
+
+def test_loop_extents_reads_nesting():
+    code = """
+    {
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(64L); x0+=static_cast<int64_t>(1L))
+        {
+            {
+                for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(128L); x1+=static_cast<int64_t>(8L))
+                {
+                    auto a = b.nextafter(c);
+                }
+            }
+            auto d = std::nextafter(e, f);
+        }
+        auto g = nextafter(h);
+    }
+    """
+    assert _loop_extents(code, "nextafter(") == [64 * 128, 64, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_scales_are_computed_once_per_scale_element_under_compile(recipe):
+    code = _compiled_step_code(recipe)
+    smallest_cast = TOKENS * IN
+    formula = _loop_extents(code, "nextafter(")
+    assert formula, "the scale formula should appear in the generated code"
+    assert max(formula) < smallest_cast, f"{recipe}: the scale formula runs in a loop over {max(formula)} elements"
+    inverse = _loop_extents(code, "reciprocal()")
+    assert max(inverse, default=0) < smallest_cast, (
+        f"{recipe}: an inverse scale is computed in a loop over {max(inverse)} elements"
+    )
