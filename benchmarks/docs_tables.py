@@ -468,6 +468,8 @@ def convergence_outliers() -> str:
 # ---------------------------------------------------------------------------------------- bench_llama
 
 LLAMA_BF16, LLAMA_TORCHAO = "bf16", "torchao-tensorwise"
+#: torchao recipes that one of ours matches (same scaling granularity): compared like for like too
+LLAMA_TORCHAO_LIKE = ("torchao-rowwise",)
 #: Issue 11's targets: bytes saved for backward at most this times bf16's, for these recipes.
 LLAMA_SAVED_TARGET, LLAMA_SAVED_RECIPES = 0.55, ("tensorwise", "delayed", "rowwise")
 #: On an H100-class GPU, compiled, Llama3-8B-shaped blocks at 8192 tokens per step: at least this times bf16's tokens/s.
@@ -673,16 +675,20 @@ def llama_targets(data: dict[str, Any] | None = None) -> str:
             out.append(f"{text}: {verdict(ok)}" if text else verdict(ok))
         return out
 
-    for kind in ours if not cuda else []:
-        def speed(variants: dict[str, Any], kind: str = kind) -> tuple[str, bool | None]:
-            key, ref = kind + "+compile", LLAMA_TORCHAO + "+compile"
+    # every recipe against torchao tensorwise, and a recipe torchao also has against torchao's own (like for like)
+    references = [(kind, LLAMA_TORCHAO) for kind in ours]
+    references += [(kind, "torchao-" + kind[5:]) for kind in ours if "torchao-" + kind[5:] in LLAMA_TORCHAO_LIKE]
+    for kind, torchao in references if not cuda else []:
+        def speed(variants: dict[str, Any], kind: str = kind, torchao: str = torchao) -> tuple[str, bool | None]:
+            key, ref = kind + "+compile", torchao + "+compile"
             if not compiled or not (_llama_ok(variants.get(key)) and _llama_ok(variants.get(ref))):
                 return (_llama_status(variants.get(key)) if compiled else "not compiled"), None
             r = variants[key]["median_s"] / variants[ref]["median_s"]
             cpu = variants[key]["cpu_s"] / variants[ref]["cpu_s"]
             return f"{x(r)} (CPU time {x(cpu)})", r <= 1.0
 
-        rows.append([f"CPU, compiled: `{kind[5:]}` step time ≤ torchao tensorwise compiled (emulated)", *cells(speed)])
+        label = torchao.replace("-", " ")
+        rows.append([f"CPU, compiled: `{kind[5:]}` step time ≤ {label} compiled (emulated)", *cells(speed)])
     for recipe in LLAMA_SAVED_RECIPES:
         kind = f"ours-{recipe}"
         for field, what in (("saved_bytes", "in all, at this size"), ("activation_bytes", "activations"),

@@ -3,6 +3,7 @@ tables and the issue's targets need (no timing is asserted: speed is only report
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -122,6 +123,22 @@ def test_docs_tables_render_the_result(result):
     targets = tables["llama_targets.md"]
     assert "no CUDA GPU in this run" in targets
     assert "host syncs per step = 0 (eager and compiled) | max 0: met" in targets
+
+
+def test_targets_compare_rowwise_with_torchao_rowwise_too(result):
+    """Every recipe is held to torchao tensorwise; ``rowwise`` also to torchao's own rowwise (like for like)."""
+    data = copy.deepcopy(result)
+    data["config"]["compile_backend"] = "inductor"
+    data["config"]["kinds"] = [*data["config"]["kinds"], "torchao-rowwise", "ours-rowwise"]
+    variants = data["sizes"]["test"]["variants"]
+    measured = variants["ours-tensorwise+compile"]
+    variants["torchao-tensorwise+compile"] = {**measured, "median_s": 1.0, "cpu_s": 1.0}
+    variants["torchao-rowwise+compile"] = {**measured, "median_s": 1.25, "cpu_s": 1.25}
+    variants["ours-rowwise+compile"] = {**measured, "median_s": 1.2, "cpu_s": 1.2}
+    targets = docs_tables.llama_targets(data)
+    assert "`rowwise` step time ≤ torchao tensorwise compiled (emulated) | 1.20× (CPU time 1.20×): **missed**" in targets
+    assert "`rowwise` step time ≤ torchao rowwise compiled (emulated) | 0.96× (CPU time 0.96×): met" in targets
+    assert "`tensorwise` step time ≤ torchao rowwise" not in targets  # torchao's rowwise is no reference for it
 
 
 def test_plot_is_written(result, tmp_path):
