@@ -414,8 +414,8 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     per-block tensors derived from amaxes, never for the data itself.
 
     An identity ``as_strided`` view is the barrier: inductor's lowering of ``as_strided`` needs a stored input
-    (eager, it is skipped).
+    (eager, it is skipped; a tensor subclass such as a ``DTensor`` is left alone).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and type(t) is torch.Tensor:
         return t.as_strided(t.shape, t.stride())
     return t
