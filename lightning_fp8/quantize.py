@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_fp8.recipe import FP8_MAX, CastSpec, amax_to_scale
+from lightning_fp8.recipe import CastSpec, amax_to_scale, fp8_max
 from lightning_fp8.triton_cast import (
     history_cast_supported,
     triton_block_cast,
@@ -96,16 +96,16 @@ class Quantized(NamedTuple):
 
 def saturated_cast(x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """Cast an already-scaled float32 tensor to ``fp8_dtype``: finite values saturate, NaN/Inf -> NaN."""
-    fp8_max = FP8_MAX[fp8_dtype]
+    max_value = fp8_max(fp8_dtype)
     nan = float("nan")
     if torch.compiler.is_compiling():
         # the same bits in a form inductor vectorises on CPU (its nan_to_num tests each element for NaN in a scalar
         # loop): every non-finite value becomes the positive NaN that nan_to_num writes (chosen after the clamp, whose
         # vectorised form may flip a NaN's sign bit)
-        clamped = x_scaled.clamp(-fp8_max, fp8_max)
+        clamped = x_scaled.clamp(-max_value, max_value)
         return torch.where(x_scaled.abs() < float("inf"), clamped, nan).to(fp8_dtype)
     # nan_to_num maps ±Inf to NaN (one pass; NaN survives the clamp), cheaper than isfinite + where.
-    return torch.nan_to_num(x_scaled, nan=nan, posinf=nan, neginf=nan).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return torch.nan_to_num(x_scaled, nan=nan, posinf=nan, neginf=nan).clamp(-max_value, max_value).to(fp8_dtype)
 
 
 #: The smallest magnitude byte (bits 0-6) of an FP8 NaN: E4M3 has one NaN pattern, E5M2 several (``0x7C`` is its
@@ -115,6 +115,12 @@ _NAN_MAGNITUDE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7D}
 #: The largest float32 magnitude each format rounds to zero: half its smallest subnormal (2**-9 for E4M3, 2**-16 for
 #: E5M2), which round-to-nearest-even sends to 0 (the even neighbour); anything larger rounds to a non-zero value.
 _ZERO_BOUND = {torch.float8_e4m3fn: 2.0**-10, torch.float8_e5m2: 2.0**-17}
+
+
+@torch.compiler.assume_constant_result
+def _zero_bound(fp8_dtype: torch.dtype) -> float:
+    """``_ZERO_BOUND[fp8_dtype]`` as a constant under ``torch.compile`` (see :func:`~lightning_fp8.recipe.fp8_max`)."""
+    return _ZERO_BOUND[fp8_dtype]
 
 
 def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bool = False) -> Tensor:
@@ -154,7 +160,7 @@ def _cast_statistics_eager(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_f
     if overflow_free:
         overflow = torch.count_nonzero((magnitude + (0x80 - _NAN_MAGNITUDE[data.dtype])).bitwise_and_(0x80))
     else:
-        overflow = torch.count_nonzero(x_scaled.abs().sub_(FP8_MAX[data.dtype]).clamp_(min=0))
+        overflow = torch.count_nonzero(x_scaled.abs().sub_(fp8_max(data.dtype)).clamp_(min=0))
     nonzero = torch.count_nonzero(x)
     return torch.stack([nonzero, overflow, nonzero - torch.count_nonzero(x * magnitude)])
 
@@ -171,8 +177,8 @@ def _cast_statistics_from_values(x: Tensor, x_scaled: Tensor, fp8_dtype: torch.d
     return torch.stack(
         [
             nonzero.sum(dtype=count),
-            (~(magnitude <= FP8_MAX[fp8_dtype])).sum(dtype=count),
-            (nonzero & (magnitude <= _ZERO_BOUND[fp8_dtype])).sum(dtype=count),
+            (~(magnitude <= fp8_max(fp8_dtype))).sum(dtype=count),
+            (nonzero & (magnitude <= _zero_bound(fp8_dtype))).sum(dtype=count),
         ]
     ).to(torch.int64)
 
@@ -195,7 +201,10 @@ def cast_with_statistics(
 
 def blocked(x: Tensor, block: tuple[int, int]) -> Tensor:
     """A 2-D ``x`` (R, C) as ``(ceil(R / bm), bm, ceil(C / bn), bn)`` blocks, zero-padded at the far edges (a view
-    when no padding is needed). Zeros add nothing to a block's amax and are never counted as non-zero."""
+    when no padding is needed). Zeros add nothing to a block's amax and are never counted as non-zero.
+
+    Under ``torch.compile`` with a symbolic size, whether it is a multiple of the block is a guard: at most two graphs
+    (sizes that need padding, and multiples of the block, which read ``x`` as a view)."""
     if x.dim() != 2:
         raise ValueError(f"block scaling needs a 2-D tensor, got shape {tuple(x.shape)}")
     (rows, cols), (bm, bn) = x.shape, block

@@ -122,6 +122,24 @@ _E4M3_ONLY = ("rowwise", "blockwise")
 #: amax is clamped to at least this value before taking the reciprocal (same value as torchao).
 AMAX_EPS = 1e-12
 
+
+@torch.compiler.assume_constant_result
+def fp8_max(dtype: torch.dtype) -> float:
+    """``FP8_MAX[dtype]``, the largest finite value of an FP8 format, read as a constant under ``torch.compile``.
+
+    Code that runs under compile reads the float constants of this package through functions like this one:
+    ``torch.compile(dynamic=True)`` turns a float read from a module-level name into a symbolic graph input, and
+    dynamo cannot lift one that is first read in the backward of an ``autograd.Function`` (the ``E5M2`` gradient
+    cast of ``tensorwise`` and ``delayed``), which failed the whole compile.
+    """
+    return FP8_MAX[dtype]
+
+
+@torch.compiler.assume_constant_result
+def amax_eps() -> float:
+    """:data:`AMAX_EPS`, read as a constant under ``torch.compile`` (see :func:`fp8_max`)."""
+    return AMAX_EPS
+
 #: The three tensors every FP8 GEMM layer quantizes, in the order used by the state table.
 ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -177,7 +195,7 @@ class CastSpec:
     @property
     def fp8_max(self) -> float:
         """The largest finite value of ``dtype``."""
-        return FP8_MAX[self.dtype]
+        return fp8_max(self.dtype)
 
     def same_cast(self, other: CastSpec) -> bool:
         """Whether ``other`` quantizes the same tensor to the same bits (so one FP8 copy serves both)."""
@@ -390,7 +408,7 @@ def amax_to_scale(
     one ulp past ``fp8_max`` in a few percent of casts). A NaN amax gives a NaN scale, an infinite
     amax a zero scale; callers decide what to do with those.
     """
-    exact = fp8_max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)
+    exact = fp8_max / torch.clamp(amax.to(torch.float64), min=amax_eps())
     if margin:
         exact = exact / (2.0**margin)
     scale = exact.to(torch.float32)

@@ -73,7 +73,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from lightning_fp8.recipe import AMAX_EPS, E4M3, E5M2, FP8_MAX, amax_to_scale
+from lightning_fp8.recipe import AMAX_EPS, E4M3, E5M2, FP8_MAX, amax_to_scale, fp8_max
 
 #: Elements per program. 2048 elements on 8 warps is 8 per thread: two 16-byte loads for float32.
 BLOCK_SIZE = 2048
@@ -525,7 +525,7 @@ def triton_history_cast(
     partial_amax = torch.empty(n_programs, dtype=torch.float32, device=x.device)
     _launch(x, history_scale, SCALE_TENSORWISE, 1, data, partial, amax=partial_amax)
     amax = partial_amax.amax()  # NaN-propagating, as the reference's x.abs().amax()
-    scale = torch.where(history_ready, history_scale, amax_to_scale(amax, FP8_MAX[fp8_dtype], margin, power_of_2))
+    scale = torch.where(history_ready, history_scale, amax_to_scale(amax, fp8_max(fp8_dtype), margin, power_of_2))
     _launch(x, scale, SCALE_TENSORWISE, 1, data, partial, gate=history_ready.reshape(-1).view(torch.uint8))
     return data, scale, amax, partial.sum(dim=0)
 
