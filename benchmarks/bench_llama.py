@@ -66,6 +66,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -617,6 +618,16 @@ def plot(data: dict[str, Any], path: str) -> None:
 # ------------------------------------------------------------------------------------------------- main
 
 
+def fresh_compile_cache() -> str:
+    """Point inductor's (and Triton's) on-disk caches at a new empty directory, for this process: every variant then
+    compiles cold, so compile times compare like for like (otherwise a variant whose code did not change since an
+    earlier run, such as torchao's, compiles from the cache). Returns the directory."""
+    path = tempfile.mkdtemp(prefix="bench_llama_compile_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    return path
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The command, for the result file: the flags that were given."""
     parts = ["python benchmarks/bench_llama.py"]
@@ -626,6 +637,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--sizes", args.sizes]
     if args.no_compile:
         parts.append("--no-compile")
+    if args.cold_compile:
+        parts.append("--cold-compile")
     for flag, value in (("--kinds", args.kinds), ("--compile-kinds", args.compile_kinds)):
         if value:
             parts += [flag, value]
@@ -652,6 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-budget", type=float, default=COMPILE_BUDGET_S,
                         help="compile seconds per size after which the remaining compiled variants are skipped "
                              f"(default {COMPILE_BUDGET_S:.0f})")
+    parser.add_argument("--cold-compile", action="store_true",
+                        help="compile every variant without the on-disk caches of earlier runs (a new empty cache "
+                             "directory), so that compile times compare like for like")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (default 3)")
     parser.add_argument("--reps", type=int, default=11, help="timed steps per variant, interleaved (default 11)")
@@ -682,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     env = harness.environment(args.device)
+    if args.cold_compile:
+        fresh_compile_cache()
     t_start = time.perf_counter()
 
     def log(message: str) -> None:
@@ -690,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend, args.warmup,
                args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log, compile_kinds)
     data["total_s"] = time.perf_counter() - t_start
+    data["config"]["cold_compile"] = args.cold_compile
     harness.write_result(args.json, env, command_line(args), **data)
     with open(args.json) as f:
         data = json.load(f)

@@ -620,8 +620,11 @@ def llama_compile(data: dict[str, Any] | None = None) -> str:
                                 _llama_syncs_only(data)])
     out.append(f"Host syncs (`aten::_local_scalar_dense`, `aten::equal`) and aten ops dispatched in one profiled "
                f"training step after the warm-up, eager and compiled (`torch.compile`, {backend}); the compiled "
-               "variants' time to compile (the first step; `(cached)`: inductor's or AOTAutograd's on-disk cache "
-               "served it, from an earlier run), the graphs and graph breaks of the warm-up steps, and the "
+               "variants' time to compile (the first step; "
+               + ("every variant compiled cold, with empty on-disk caches (`--cold-compile`)"
+                  if data["config"].get("cold_compile") else
+                  "`(cached)`: inductor's or AOTAutograd's on-disk cache served it, from an earlier run")
+               + "), the graphs and graph breaks of the warm-up steps, and the "
                "recompilations (new graphs) and graph breaks in all steps after the warm-up."
                + (" Synchronizing CUDA calls (`torch.cuda.set_sync_debug_mode`) in brackets."
                   if "cuda" in data.get("device", "cpu") else ""))

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -152,6 +155,27 @@ def test_command_line_help_names_the_flags(capsys):
     with pytest.raises(SystemExit):
         bench_llama.main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--large", "--sizes", "--no-compile", "--compile-budget", "--reps", "--warmup", "--threads", "--json",
+    for flag in ("--large", "--sizes", "--no-compile", "--cold-compile", "--compile-budget", "--reps", "--warmup", "--threads", "--json",
                  "--plot", "--replot", "--peak-bf16-tflops", "--peak-fp8-tflops"):
         assert flag in text, flag
+
+
+def test_cold_compile_uses_an_empty_cache_and_says_so(result, monkeypatch):
+    """``--cold-compile``: inductor's and Triton's caches point at a new empty directory (so no variant compiles from
+    an earlier run's cache), and the compile table's caption says every variant compiled cold."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent-before")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/nonexistent-before")
+    path = Path(bench_llama.fresh_compile_cache())
+    try:
+        assert path.is_dir() and not any(path.iterdir())
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path)
+        assert os.environ["TRITON_CACHE_DIR"].startswith(str(path))
+        assert cache_dir() == str(path)  # what inductor reads
+    finally:
+        shutil.rmtree(path)
+    data = copy.deepcopy(result)
+    data["config"]["compile_backend"] = "inductor"
+    assert "`(cached)`" in docs_tables.llama_compile(data)
+    data["config"]["cold_compile"] = True
+    text = docs_tables.llama_compile(data)
+    assert "every variant compiled cold" in text and "`(cached)`" not in text
