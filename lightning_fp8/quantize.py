@@ -203,8 +203,8 @@ def blocked(x: Tensor, block: tuple[int, int]) -> Tensor:
     """A 2-D ``x`` (R, C) as ``(ceil(R / bm), bm, ceil(C / bn), bn)`` blocks, zero-padded at the far edges (a view
     when no padding is needed). Zeros add nothing to a block's amax and are never counted as non-zero.
 
-    Under ``torch.compile`` with a symbolic size, whether it is a multiple of the block is a guard: at most two graphs
-    (sizes that need padding, and multiples of the block, which read ``x`` as a view)."""
+    Under ``torch.compile`` with a symbolic size, whether it is a multiple of the block is a guard: sizes that need
+    padding and multiples of the block (which read ``x`` as a view) compile separate graphs."""
     if x.dim() != 2:
         raise ValueError(f"block scaling needs a 2-D tensor, got shape {tuple(x.shape)}")
     (rows, cols), (bm, bn) = x.shape, block

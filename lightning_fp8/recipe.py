@@ -130,7 +130,8 @@ def fp8_max(dtype: torch.dtype) -> float:
     Code that runs under compile reads the float constants of this package through functions like this one:
     ``torch.compile(dynamic=True)`` turns a float read from a module-level name into a symbolic graph input, and
     dynamo cannot lift one that is first read in the backward of an ``autograd.Function`` (the ``E5M2`` gradient
-    cast of ``tensorwise`` and ``delayed``), which failed the whole compile.
+    cast of ``tensorwise`` and ``delayed``), which failed the whole compile. The value is not guarded: these are
+    constants, a compiled graph keeps the value it was traced with.
     """
     return FP8_MAX[dtype]
 
@@ -431,9 +432,12 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     most of the gap between the compiled ``rowwise`` step and torchao's). Used for the small per-tensor, per-row or
     per-block tensors derived from amaxes, never for the data itself.
 
-    An identity ``as_strided`` view is the barrier: inductor's lowering of ``as_strided`` needs a stored input
-    (eager, it is skipped; a tensor subclass such as a ``DTensor`` is left alone).
+    An identity ``as_strided`` view of a clone is the barrier: inductor's lowering of ``as_strided`` needs a stored
+    input (eager, it is skipped; a tensor subclass such as a ``DTensor`` is left alone). The clone matters when ``t``
+    is a view (a slice, an expanded or strided tensor): applied to a view of a buffer inductor computed, the lowering
+    reads that buffer with the view's strides and without its offset, wrong values without an error.
     """
     if torch.compiler.is_compiling() and type(t) is torch.Tensor:
+        t = t.clone()
         return t.as_strided(t.shape, t.stride())
     return t

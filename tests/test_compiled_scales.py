@@ -21,7 +21,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import lightning_fp8 as lf
-from lightning_fp8.recipe import RECIPES
+from lightning_fp8.recipe import RECIPES, stored
 
 #: tokens, in features, out features: every tensor the step casts has at least TOKENS * IN elements, every scale
 #: tensor far fewer (the largest, mxfp8's weight scales, OUT * IN / 32)
@@ -111,3 +111,21 @@ def test_scales_are_computed_once_per_scale_element_under_compile(recipe):
     assert max(inverse, default=0) < smallest_cast, (
         f"{recipe}: an inverse scale is computed in a loop over {max(inverse)} elements"
     )
+
+
+#: views that ``stored`` may be handed: inductor's ``as_strided`` lowering, applied to a view of a buffer it computed,
+#: read that buffer with the view's strides and without its offset (wrong values, no error) until ``stored`` cloned
+_VIEWS = {
+    "offset slice": lambda x: stored((x * 2)[1:, 1:]) + 1,
+    "strided slice": lambda x: stored((x * 2)[1:, ::2]) + 1,
+    "expanded": lambda x: stored(x[:, :1].abs().expand(5, 6)) * x,
+    "transposed": lambda x: stored((x * 2).t()) + 1,
+}
+
+
+@pytest.mark.parametrize("case", list(_VIEWS))
+def test_stored_views_keep_their_values_under_inductor(case):
+    torch._dynamo.reset()
+    x = torch.randn(5, 6)
+    fn = _VIEWS[case]
+    assert torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
