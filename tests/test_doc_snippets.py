@@ -565,7 +565,7 @@ SHELL_COMMANDS: dict[str, object] = {
     "python benchmarks/bench_compare.py": Help(),
     "python benchmarks/bench_fsdp2.py": Help(),
     # docs/benchmarks.md, "Llama-style blocks" (tests/test_bench_llama.py runs its measurement code on a tiny size)
-    "python benchmarks/bench_llama.py --threads 1": Help(),
+    "python benchmarks/bench_llama.py --threads 1 --cold-compile": Help(),
     "python benchmarks/bench_llama.py --large": Help(),
     "python benchmarks/bench_llama.py --no-compile": Help(),
     "python benchmarks/bench_convergence.py": Help(),
