@@ -141,6 +141,7 @@ def amax_eps() -> float:
     """:data:`AMAX_EPS`, read as a constant under ``torch.compile`` (see :func:`fp8_max`)."""
     return AMAX_EPS
 
+
 #: The three tensors every FP8 GEMM layer quantizes, in the order used by the state table.
 ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
