@@ -440,12 +440,15 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
 
         before, reasons0 = harness.dynamo_counts(), dict(counters["graph_break"])
         caches0 = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
+        phases0 = harness.compile_phase_seconds()
         t0 = time.perf_counter()
         try:
             step()
             if cuda:
                 torch.cuda.synchronize(device)
             info["first_step_s"] = time.perf_counter() - t0
+            phases1 = harness.compile_phase_seconds()
+            info["compile_phases_s"] = {k: phases1[k] - phases0[k] for k in phases1}
             for _ in range(warmup - 1):
                 step()
             if cuda:

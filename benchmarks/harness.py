@@ -301,3 +301,19 @@ def dynamo_counts() -> dict[str, int]:
     return {"graphs": counters["stats"].get("unique_graphs", 0),
             "graph_breaks": sum(counters["graph_break"].values()),
             "frames": counters["frames"].get("ok", 0)}
+
+
+#: Phases of ``torch.compile`` as ``torch._dynamo.utils.compile_times()`` names them: dynamo interpreting the Python
+#: bytecode, AOTAutograd tracing the joint graph, inductor's scheduling and code generation, and compiling the
+#: generated code (C++ on a CPU; waiting for the asynchronous compile workers, Triton included). They nest inside
+#: each other's callers, not inside one another, but other phases are left out: their sum is not the compile time.
+COMPILE_PHASES = ("bytecode_tracing", "aot_trace_joint_graph", "GraphLowering.codegen", "compile_file",
+                  "async_compile.wait")
+
+
+def compile_phase_seconds() -> dict[str, float]:
+    """torch's running totals of the :data:`COMPILE_PHASES`, in seconds; take the difference of two calls around
+    what you measure (where compile time goes: see the compile-time notes in docs/benchmarks.md)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {phase: float(sum(compilation_time_metrics.get(phase, ()))) for phase in COMPILE_PHASES}

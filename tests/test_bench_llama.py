@@ -83,6 +83,10 @@ def test_result_file_structure(result):
             for field in ("graphs", "graph_breaks", "recompiles_after_warmup", "graph_breaks_after_warmup"):
                 assert isinstance(v[field], int), (key, field)
             assert v["first_step_s"] > 0
+            # where the first step's compile time went, by torch's phase names (dynamo alone here: no inductor)
+            assert set(v["compile_phases_s"]) == set(harness.COMPILE_PHASES)
+            assert 0 < v["compile_phases_s"]["bytecode_tracing"] < v["first_step_s"]
+            assert v["compile_phases_s"]["compile_file"] == 0
         else:
             for field in ("saved_bytes", "saved_bytes_linear", "activation_bytes", "activation_bytes_linear"):
                 assert v[field] > 0, (key, field)
