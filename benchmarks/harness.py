@@ -305,8 +305,9 @@ def dynamo_counts() -> dict[str, int]:
 
 #: Phases of ``torch.compile`` as ``torch._dynamo.utils.compile_times()`` names them: dynamo interpreting the Python
 #: bytecode, AOTAutograd tracing the joint graph, inductor's scheduling and code generation, and compiling the
-#: generated code (C++ on a CPU; waiting for the asynchronous compile workers, Triton included). They nest inside
-#: each other's callers, not inside one another, but other phases are left out: their sum is not the compile time.
+#: generated code (C++ on a CPU; waiting for the asynchronous compile workers, Triton included). Some overlap (the
+#: generated code compiles in workers while the main thread goes on) and other phases are left out: their sum is not
+#: the compile time.
 COMPILE_PHASES = ("bytecode_tracing", "aot_trace_joint_graph", "GraphLowering.codegen", "compile_file",
                   "async_compile.wait")
 
