@@ -136,6 +136,65 @@ def test_native_layers_compile_without_graph_breaks(recipe):
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
 
 
+@needs_fp8_hardware
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_compile_dynamic_true_matches_eager_on_the_gpu(recipe):
+    """``torch.compile(dynamic=True)`` through the native GEMMs (``aot_eager``: the traced graph, the same kernels):
+    the same bits as eager for every token count, aligned, 16-aligned and odd (tests/test_compile_dynamic.py on CUDA;
+    on a CPU the GEMMs are emulated)."""
+    import copy
+
+    from test_compile_dynamic import TOKENS, _step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Linear(256, 384).cuda()
+    lf.convert_to_fp8(eager, recipe=recipe, log_summary=False)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend="aot_eager", dynamic=True)
+    for tokens in TOKENS:
+        x = torch.randn(tokens, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pairs = list(zip(_step(eager, x), _step(compiled, x)))
+        assert all(torch.equal(a, b) for a, b in pairs), (recipe, tokens)
+    for a, b in zip(eager.state_dict().values(), twin.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_inductor_dynamic_true_on_the_gpu(recipe):
+    """Inductor with ``dynamic=True`` on CUDA (Triton code with symbolic sizes, the stored scales): close to eager for
+    every token count. ``emulate_precision_casts`` keeps inductor's bf16 roundings where eager has them (without it a
+    fused bf16 intermediate can flip FP8 values: a few percent on a CPU); a wrong scale or layout is an O(1) error."""
+    import copy
+
+    from test_compile_dynamic import TOKENS, _step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Linear(256, 384).cuda()
+    lf.convert_to_fp8(eager, recipe=recipe, log_summary=False)
+    compiled = torch.compile(copy.deepcopy(eager), dynamic=True)
+    for tokens in TOKENS:
+        x = torch.randn(tokens, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch._inductor.config.patch(emulate_precision_casts=True):
+            errors = [_rel(b.float(), a.float()) for a, b in zip(_step(eager, x), _step(compiled, x))]
+        print(f"inductor dynamic=True {recipe} {tokens} tokens: relative differences to eager {errors}")
+        assert all(math.isfinite(e) and e < 1e-2 for e in errors), (recipe, tokens, errors)
+
+
+@pytest.mark.parametrize("case", ["offset slice", "strided slice", "expanded", "transposed"])
+def test_stored_views_keep_their_values_under_inductor_on_the_gpu(case):
+    """``lightning_fp8.recipe.stored`` of a view under inductor's Triton code (tests/test_compiled_scales.py on CUDA)."""
+    from test_compiled_scales import _VIEWS
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 6, device="cuda")
+    fn = _VIEWS[case]
+    assert torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x))
+
+
 # ------------------------------------------------------------------------------- Triton casts, compiled
 
 
