@@ -222,6 +222,34 @@ def _gemm_dtype(dtype: torch.dtype, spec: CastSpec) -> torch.dtype:
     return gemm.scaled_mm_out_dtype(dtype, rowwise=spec.granularity != "tensor")
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+#: torch 2.11's dynamo returns the intermediates of a traced ``autograd.Function`` forward as extra outputs of its
+#: subgraph; an output that is the same tensor object as one of them (a no-op ``.to``) gets no gradient: zeros, no
+#: error. Measured here: 2.11 does, 2.8, 2.10, 2.12 and 2.13 do not (``tests/test_function_output.py``).
+_TRACED_FUNCTION_ALIASES_OUTPUTS = _torch_version() == (2, 11)
+
+
+def _own_output(out: Tensor, dtype: torch.dtype) -> Tensor:
+    """The GEMM's result in ``dtype`` as a tensor of the function's own: not a view, and under ``torch.compile`` on
+    torch 2.11 not the same object as any intermediate of the forward.
+
+    A view (the unpadded part of a GEMM padded to the cuBLAS layout) returned by an ``autograd.Function`` cannot be
+    modified in place, where an ``nn.Linear``'s output can; it is copied (only unaligned layers pay). On torch 2.11 a
+    compiled forward whose output was the same object as an intermediate (``out.to(dtype)`` when ``out`` already has
+    that dtype) trained with zero input and weight gradients (see ``_TRACED_FUNCTION_ALIASES_OUTPUTS``); there the
+    output is always a fresh tensor (one copy of it per layer under compile, where a dtype change does not make one).
+    """
+    if out.dtype != dtype:
+        return out.to(dtype)
+    if torch.compiler.is_compiling():
+        return out.clone() if _TRACED_FUNCTION_ALIASES_OUTPUTS else out
+    return out.clone() if out._is_view() else out
+
+
 class _FP8LinearFn(torch.autograd.Function):
     """The three FP8 GEMMs of a linear layer, for every recipe (the cast specs say how to quantize).
 
@@ -270,7 +298,7 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.w_reused = w_reused
         ctx.call = call
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
-        return out.to(call.out_dtype)
+        return _own_output(out, call.out_dtype)
 
     @staticmethod
     @once_differentiable  # the FP8 GEMMs have no derivative of their own: double backward raises, never drops terms
