@@ -24,7 +24,10 @@ Variants, all in one process on the same weights (the model copies share the Par
   after the optimizer step, as the precision plugin does;
 * each of them again under ``torch.compile`` (inductor by default; the model is compiled, the loss, backward call and
   optimizer step stay eager, as in a Lightning training step). Compiling stops once ``--compile-budget`` seconds of
-  compile time have been spent on one size; the variants left are reported as skipped.
+  compile time have been spent on one size; the variants left are reported as skipped. Before it is timed, each
+  compiled variant's gradients (one step, no optimizer step) are compared with its eager twin's on the same weights
+  and batch (``gradient_check``); one more than ``GRADIENT_TOLERANCE`` off is reported as invalid and not timed
+  (torch 2.11 once trained our compiled layers with zero gradients at a plausible speed).
 
 A step is ``zero_grad(set_to_none=True)``, the forward, ``loss.backward()``, one ``AdamW(fused=True)`` step (one
 optimizer over the shared parameters: no host sync in the step itself) and, for our recipes, the amax-history roll.
@@ -303,6 +306,37 @@ def make_step(variant: Variant, x: torch.Tensor, optimizer: torch.optim.Optimize
     return step
 
 
+#: The largest relative difference (norm of the difference over the reference's norm, over all parameters) of a
+#: compiled variant's gradients from its eager twin's that still counts as the same training: two FP8 runs differ by
+#: their roundings (a few percent), a broken one by about 1 (zeros) or more.
+GRADIENT_TOLERANCE = 0.25
+
+
+def _gradients(variant: Variant, x: torch.Tensor, params: list[nn.Parameter],
+               optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    optimizer.zero_grad(set_to_none=True)
+    out = variant.forward(x)
+    out.float().pow(2).mean().backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+    optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def gradient_check(variant: Variant, reference: Variant, x: torch.Tensor, params: list[nn.Parameter],
+                   optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The gradients of one step of ``variant`` against ``reference``'s on the same weights and batch (no optimizer
+    step, the FP8 states as they are): ``relative_difference`` = ||g - r|| / ||r|| over all parameters (``inf`` when
+    ``g`` is not finite), and the parameters whose gradient is zero where the reference's is not."""
+    ref = _gradients(reference, x, params, optimizer)
+    got = _gradients(variant, x, params, optimizer)
+    diff = sum(float((g.double() - r.double()).pow(2).sum()) for g, r in zip(got, ref)) ** 0.5
+    norm = sum(float(r.double().pow(2).sum()) for r in ref) ** 0.5
+    finite = all(bool(torch.isfinite(g).all()) for g in got)
+    zero = sum(1 for g, r in zip(got, ref) if not g.any() and r.any())
+    return {"reference": reference.key, "relative_difference": diff / norm if finite and norm else float("inf"),
+            "zero_gradients": zero, "parameters": len(params)}
+
+
 # ------------------------------------------------------------------------------------------------- GPU peaks
 
 #: Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets: (bf16, fp8), matched against the device name in order.
@@ -467,6 +501,24 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
         info["compile_cache_hits"] = sum(counters[k][c] - caches0[k].get(c, 0) for k, c in (
             ("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit")))
         variants[key], steps[key] = variant, step
+
+    # each compiled variant's gradients against its eager twin's (bf16's where the twin is not run), on the same
+    # weights and batch: a compiled step that trains wrongly is not timed (torch 2.11 once gave our compiled layers
+    # zero gradients, and the timing looked plausible)
+    for key in [k for k in steps if variants[k].compiled]:
+        kind = variants[key].kind
+        reference = kind if kind in steps else "bf16" if "bf16" in steps else None
+        if reference is None:
+            continue
+        check = gradient_check(variants[key], variants[reference], x, params, optimizer)
+        results[key]["gradient_check"] = check
+        log(f"{size.name}: {key} gradients against {reference}'s: relative difference "
+            f"{check['relative_difference']:.3g}")
+        if not check["relative_difference"] <= GRADIENT_TOLERANCE:
+            results[key]["status"] = (f"invalid: gradients {check['relative_difference']:.2g} off {reference}'s "
+                                      f"(tolerance {GRADIENT_TOLERANCE})")
+            log(f"{size.name}: {key} {results[key]['status']}: not timed")
+            del steps[key], variants[key]
 
     # one profiled step each: host syncs, aten ops, peak memory; the bytes saved for backward (eager)
     changes: dict[str, dict[str, int]] = {key: {"graphs": 0, "graph_breaks": 0} for key in steps}

@@ -93,6 +93,59 @@ def test_result_file_structure(result):
             assert v["fixed_bytes"] > 0 and v["fixed_bytes_linear"] >= 0  # torchao saves the weight itself
 
 
+def test_compiled_gradients_are_checked_against_eager(result):
+    """Each compiled variant's gradients were compared with its eager twin's before it was timed."""
+    for key in (f"{k}+compile" for k in COMPILED):
+        check = result["sizes"]["test"]["variants"][key]["gradient_check"]
+        assert check["reference"] == key.split("+")[0]
+        assert check["zero_gradients"] == 0 and check["parameters"] == 9
+        assert 0 <= check["relative_difference"] <= bench_llama.GRADIENT_TOLERANCE
+
+
+class _ZeroGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+def test_gradient_check_flags_a_step_that_trains_wrongly():
+    """A variant whose backward sends zeros (what torch 2.11 did to our compiled layers) is 1 off its reference."""
+    torch.manual_seed(0)
+    size = bench_llama.SIZES["test"]
+    base = bench_llama.make_stack(size, "cpu")
+    params = list(base.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    x = torch.randn(size.batch, size.seq, size.hidden)
+    good = bench_llama.build_variant("bf16", base, "cpu", None)
+    broken = bench_llama.build_variant("bf16", base, "cpu", None)
+    model = broken.model
+    broken.module = type("Broken", (torch.nn.Module,), {"forward": lambda self, t: _ZeroGrad.apply(model(t))})()
+    same = bench_llama.gradient_check(bench_llama.build_variant("bf16", base, "cpu", None), good, x, params, optimizer)
+    assert same["relative_difference"] == 0 and same["zero_gradients"] == 0
+    check = bench_llama.gradient_check(broken, good, x, params, optimizer)
+    assert check["relative_difference"] == pytest.approx(1.0) and check["zero_gradients"] == len(params)
+    assert all(p.grad is None for p in params)  # leaves no gradients behind
+
+
+def test_a_compiled_variant_failing_the_gradient_check_is_not_timed(monkeypatch):
+    monkeypatch.setattr(bench_llama, "gradient_check", lambda *args: {
+        "reference": "bf16", "relative_difference": 1.0, "zero_gradients": 9, "parameters": 9})
+    try:
+        data = bench_llama.run([bench_llama.SIZES["test"]], ("bf16",), device="cpu", compile_backend="eager",
+                               warmup=1, reps=1, log=lambda message: None, compile_kinds=("bf16",))
+    finally:
+        torch._dynamo.reset()
+    variants = data["sizes"]["test"]["variants"]
+    assert variants["bf16"]["status"] == "measured" and "median_s" in variants["bf16"]
+    compiled = variants["bf16+compile"]
+    assert compiled["status"].startswith("invalid: gradients 1 off bf16's"), compiled["status"]
+    assert "median_s" not in compiled and "times" not in compiled
+
+
 def test_no_host_syncs_graph_breaks_or_recompilations(result):
     """What is true of a step with ``AdamW(fused=True)``: no host sync for any variant (the CPU fused kernel's reads of
     its step counters are counted apart: one per parameter), and one graph per compiled variant, no graph break, no
