@@ -26,8 +26,9 @@ Variants, all in one process on the same weights (the model copies share the Par
   optimizer step stay eager, as in a Lightning training step). Compiling stops once ``--compile-budget`` seconds of
   compile time have been spent on one size; the variants left are reported as skipped. Before it is timed, each
   compiled variant's gradients (one step, no optimizer step) are compared with its eager twin's on the same weights
-  and batch (``gradient_check``); one more than ``GRADIENT_TOLERANCE`` off is reported as invalid and not timed
-  (torch 2.11 once trained our compiled layers with zero gradients at a plausible speed).
+  and batch (``gradient_check``); one more than ``GRADIENT_TOLERANCE`` off, or with a parameter's gradient zero
+  where the twin's is not, is reported as invalid and not timed (torch 2.11 once trained our compiled layers with
+  zero gradients at a plausible speed).
 
 A step is ``zero_grad(set_to_none=True)``, the forward, ``loss.backward()``, one ``AdamW(fused=True)`` step (one
 optimizer over the shared parameters: no host sync in the step itself) and, for our recipes, the amax-history roll.
@@ -514,9 +515,13 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
         results[key]["gradient_check"] = check
         log(f"{size.name}: {key} gradients against {reference}'s: relative difference "
             f"{check['relative_difference']:.3g}")
-        if not check["relative_difference"] <= GRADIENT_TOLERANCE:
+        if check["zero_gradients"]:
+            results[key]["status"] = (f"invalid: {check['zero_gradients']} of {check['parameters']} gradients zero "
+                                      f"where {reference}'s are not")
+        elif not check["relative_difference"] <= GRADIENT_TOLERANCE:
             results[key]["status"] = (f"invalid: gradients {check['relative_difference']:.2g} off {reference}'s "
                                       f"(tolerance {GRADIENT_TOLERANCE})")
+        if results[key]["status"] != "measured":
             log(f"{size.name}: {key} {results[key]['status']}: not timed")
             del steps[key], variants[key]
 

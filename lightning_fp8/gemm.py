@@ -208,18 +208,20 @@ def fp8_mm(
     use_fast_accum: bool = False,
     block_a: tuple[int, int] | None = None,
     block_b: tuple[int, int] | None = None,
+    own_output: bool = False,
 ) -> Tensor:
     """``(a / scale_a) @ (b / scale_b)`` in ``out_dtype``, for FP8 ``a`` (M, K) and ``b`` (K, N).
 
     ``scale_a`` and ``scale_b`` are *quantization* scales (``fp8 = x * scale``); their reciprocals are
     what the scaled GEMM applies. ``a`` must be row-major and ``b`` column-major. With ``block_a`` and
     ``block_b`` (the block shapes in ``a``'s and ``b``'s own layouts), the scales are per block:
-    :func:`fp8_block_mm`.
+    :func:`fp8_block_mm`. A GEMM padded to the kernel's layout returns a view of the padded result; with
+    ``own_output`` a copy of it instead (an ``autograd.Function``'s output must not be a view to be modified in place).
     """
     if block_a is not None or block_b is not None:
         if block_a is None or block_b is None:
             raise ValueError("a block-scaled GEMM needs the block shape of both operands")
-        return fp8_block_mm(a, b, scale_a, scale_b, block_a, block_b, out_dtype, use_fast_accum)
+        return fp8_block_mm(a, b, scale_a, scale_b, block_a, block_b, out_dtype, use_fast_accum, own_output)
     a, b, scale_b, n = _pad_to_contract(a, b, scale_b)
     inv_a, inv_b = stored(scale_a.reciprocal()), stored(scale_b.reciprocal())  # once per scale, not per output
     check_scaled_mm_contract(a, b, inv_a, inv_b, out_dtype)
@@ -230,7 +232,9 @@ def fp8_mm(
         out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     else:
         out = emulated_scaled_mm(a, b, inv_a, inv_b, out_dtype)
-    return out[:, :n] if out.shape[1] != n else out
+    if out.shape[1] == n:
+        return out
+    return out[:, :n].clone() if own_output else out[:, :n]
 
 
 def emulated_scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -393,8 +397,10 @@ def fp8_block_mm(
     block_b: tuple[int, int],
     out_dtype: torch.dtype,
     use_fast_accum: bool = False,
+    own_output: bool = False,
 ) -> Tensor:
-    """Block-scaled ``(a / scale_a) @ (b / scale_b)`` (see the module docstring), in ``out_dtype``.
+    """Block-scaled ``(a / scale_a) @ (b / scale_b)`` (see the module docstring), in ``out_dtype``; ``own_output`` as
+    for :func:`fp8_mm`.
 
     ``a`` (M, K) row-major with quantization scales ``(ceil(M / bm), ceil(K / bk))`` for ``block_a = (bm, bk)``;
     ``b`` (K, N) column-major with scales ``(ceil(K / bk), ceil(N / bn))`` for ``block_b = (bk, bn)``. K is
@@ -437,7 +443,9 @@ def fp8_block_mm(
     else:
         with torch.autocast(a.device.type, enabled=False):
             out = (dequantize_blocks(a, inv_a, block_a) @ dequantize_blocks(b, inv_b, block_b)).to(out_dtype)
-    return out[:m, :n] if out.shape != (m, n) else out
+    if out.shape == (m, n):
+        return out
+    return out[:m, :n].clone() if own_output else out[:m, :n]
 
 
 def _block_scaled_mm(

@@ -234,20 +234,21 @@ _TRACED_FUNCTION_ALIASES_OUTPUTS = _torch_version() == (2, 11)
 
 
 def _own_output(out: Tensor, dtype: torch.dtype) -> Tensor:
-    """The GEMM's result in ``dtype`` as a tensor of the function's own: not a view, and under ``torch.compile`` on
-    torch 2.11 not the same object as any intermediate of the forward.
+    """The forward GEMM's result in ``dtype``, never a view (``fp8_mm(own_output=True)`` copies a padded GEMM's
+    unpadded part where no conversion to ``dtype`` does: an ``autograd.Function`` output that is a view cannot be
+    modified in place, where an ``nn.Linear``'s can), and under ``torch.compile`` on torch 2.11 not the same object
+    as any intermediate of the forward.
 
-    A view (the unpadded part of a GEMM padded to the cuBLAS layout) returned by an ``autograd.Function`` cannot be
-    modified in place, where an ``nn.Linear``'s output can; it is copied (only unaligned layers pay). On torch 2.11 a
-    compiled forward whose output was the same object as an intermediate (``out.to(dtype)`` when ``out`` already has
-    that dtype) trained with zero input and weight gradients (see ``_TRACED_FUNCTION_ALIASES_OUTPUTS``); there the
-    output is always a fresh tensor (one copy of it per layer under compile, where a dtype change does not make one).
+    On torch 2.11 a compiled forward whose output was the same object as an intermediate (``out.to(dtype)`` when
+    ``out`` already has that dtype) trained with zero input and weight gradients (see
+    ``_TRACED_FUNCTION_ALIASES_OUTPUTS``); there the output is always a fresh tensor (one copy of it per layer under
+    compile, where a dtype change does not make one).
     """
     if out.dtype != dtype:
         return out.to(dtype)
-    if torch.compiler.is_compiling():
-        return out.clone() if _TRACED_FUNCTION_ALIASES_OUTPUTS else out
-    return out.clone() if out._is_view() else out
+    if torch.compiler.is_compiling() and _TRACED_FUNCTION_ALIASES_OUTPUTS:
+        return out.clone()
+    return out
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -270,15 +271,19 @@ class _FP8LinearFn(torch.autograd.Function):
     ) -> Tensor:
         specs = call.specs
         x_spec, w_spec = specs.forward
+        gemm_dtype = _gemm_dtype(call.out_dtype, x_spec)
         out = gemm.fp8_mm(
             x_data,
             w_data.t(),
             x_scale,
             w_scale.t().contiguous(),
-            _gemm_dtype(call.out_dtype, x_spec),
+            gemm_dtype,
             use_fast_accum=True,
             block_a=x_spec.block,
             block_b=w_spec.transposed_block(),
+            # not a view of a padded result, so that the layer's output can be modified in place (a conversion to
+            # another dtype copies anyway)
+            own_output=gemm_dtype == call.out_dtype,
         )
         # Save only what the needed gradients use, in FP8: for grad_weight the input as that GEMM casts it (the
         # forward's copy when the casts agree; else the backward's own cast of x, done now: the same bits it would

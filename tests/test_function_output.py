@@ -113,3 +113,25 @@ def test_output_can_be_modified_in_place(recipe, shape):
             results.append([y.detach(), x.grad, layer.weight.grad])
         for a, b in zip(*results):
             assert torch.equal(a, b), (recipe, shape, bias)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_output_can_be_modified_in_place_under_compile(recipe):
+    """The same in a compiled region (an unaligned layer's output was a view there too: the compile failed)."""
+    tokens, fin, fout = SHAPES[1]
+
+    class InPlace(nn.Module):
+        def __init__(self, layer: nn.Module) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x).mul_(2).relu_()
+
+    eager = InPlace(_layer(recipe, fin, fout, bias=False))
+    twin = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    x = torch.randn(tokens, fin)
+    for a, b in zip(_grads(eager, x), _grads(compiled, x)):
+        assert torch.equal(a, b), recipe
