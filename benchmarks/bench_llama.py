@@ -292,14 +292,19 @@ def build_variant(kind: str, base: nn.Module, device: str, compile_backend: str 
     return Variant(f"{kind}+compile" if compile_backend else kind, kind, model, module, fp8, device)
 
 
+def forward_backward(variant: Variant, x: torch.Tensor) -> None:
+    """The forward and the backward of the benchmark's loss (a step without its optimizer step)."""
+    out = variant.forward(x)
+    out.float().pow(2).mean().backward()  # outside autocast, as Lightning's backward
+
+
 def make_step(variant: Variant, x: torch.Tensor, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """One training step of ``variant``."""
     tables = state_tables(variant.model) if variant.fp8 else []
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        out = variant.forward(x)
-        out.float().pow(2).mean().backward()  # outside autocast, as Lightning's backward
+        forward_backward(variant, x)
         optimizer.step()
         if tables:
             lf.roll_amax_history(tables)  # once per optimizer step, as FP8Precision does
@@ -316,8 +321,7 @@ GRADIENT_TOLERANCE = 0.25
 def _gradients(variant: Variant, x: torch.Tensor, params: list[nn.Parameter],
                optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     optimizer.zero_grad(set_to_none=True)
-    out = variant.forward(x)
-    out.float().pow(2).mean().backward()
+    forward_backward(variant, x)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
     optimizer.zero_grad(set_to_none=True)
     return grads

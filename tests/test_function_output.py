@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from test_compile_dynamic import _step
 from torch import nn
 
 import lightning_fp8 as lf
@@ -32,14 +33,6 @@ def _layer(recipe: str, fin: int, fout: int, bias: bool) -> nn.Module:
     layer = nn.Linear(fin, fout, bias=bias)
     lf.convert_to_fp8(layer, recipe=recipe, skip_unaligned=False, log_summary=False)
     return layer
-
-
-def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    x = x.clone().requires_grad_()
-    with lf.fp8_autocast():
-        y = model(x)
-    y.float().pow(2).sum().backward()
-    return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
 
 
 @pytest.mark.parametrize(
@@ -90,9 +83,9 @@ def test_compiled_gradients_match_eager(recipe):
             torch._dynamo.reset()
             compiled = torch.compile(twin, backend=backend)
             x = torch.randn(tokens, fin)
-            for a, b in zip(_grads(eager, x), _grads(compiled, x)):
+            for a, b in zip(_step(eager, x), _step(compiled, x)):
                 assert torch.equal(a, b), (recipe, backend, tokens, fin, fout, bias)
-            assert _grads(compiled, x)[1].abs().sum() > 0
+            assert _step(compiled, x)[1].abs().sum() > 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -133,5 +126,5 @@ def test_output_can_be_modified_in_place_under_compile(recipe):
     torch._dynamo.reset()
     compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
     x = torch.randn(tokens, fin)
-    for a, b in zip(_grads(eager, x), _grads(compiled, x)):
+    for a, b in zip(_step(eager, x), _step(compiled, x)):
         assert torch.equal(a, b), recipe
