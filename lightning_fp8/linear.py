@@ -77,7 +77,7 @@ class _LinearCall:
 
     layer: FP8Linear
     table: FP8StateTable
-    index: int
+    index: int | Tensor  #: the row: an int, or under torch.compile a one-element tensor (see FP8StateRef.row)
     specs: LinearCastSpecs
     decision: ForwardDecision
     out_dtype: torch.dtype
@@ -90,7 +90,8 @@ class _LinearCall:
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views)."""
-        return self.table.role_scale[role][self.index], self.table.initialized[self.index, role]
+        table = self.table
+        return table.at_row(table.role_scale[role], self.index), table.at_row(table.initialized, self.index)[role]
 
     def quantize(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
         if spec.scale_source == "history" and history is None:
@@ -481,7 +482,8 @@ class FP8Linear(FP8Module, nn.Linear):
         return out
 
     def _forward(self, input: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallelLayout | None) -> Tensor:
-        table, index = self.fp8_state.table, self.fp8_state.index
+        state = self.fp8_state
+        table, index = state.table, state.index
         recomputing = in_recomputation()
         # What a recomputation replays is captured in eager forwards (a compiled graph recomputes by itself) that
         # can be recomputed: with gradients, or in training mode (a reentrant checkpoint's forward runs without).
@@ -529,6 +531,14 @@ class FP8Linear(FP8Module, nn.Linear):
             and not input.is_inference()
             and not input.is_leaf
         )
+        if torch.compiler.is_compiling() and decision.keep_weight_cast:
+            # The row as a tensor, not a constant of the graph, so that identical blocks compiled one by one share
+            # one graph (see FP8StateRef.row). Only where the roll waits for the optimizer step (the plugins,
+            # defer_amax_history_roll=True): nothing then changes the row between the forward and the backward. A
+            # standalone region rolls in between, and the backward must read the rolled state: an int row reads it
+            # through views, which the compiled backward takes when it runs, where an indexed read may be taken in
+            # the forward (AOTAutograd's partitioner moves any read of graph inputs there).
+            index = state.row()
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:

@@ -84,6 +84,7 @@ class FP8Module(nn.Module):
         # into float16); shared tables move once, on the first of their layers.
         super()._apply(fn, recurse)
         self.fp8_state.table.follow(fn)
+        self.fp8_state.follow_table()
         self.drop_weight_casts()  # a new dtype or device may keep the storage and version of the weight
         return self
 

@@ -246,6 +246,14 @@ class FP8StateTable:
                 tokens[key] = self.new_lineage()
             self.input_lineage[row] = tokens[key]
 
+    @staticmethod
+    def at_row(tensor: Tensor, index: int | Tensor) -> Tensor:
+        """Row ``index`` of ``tensor``: a view for an int, a copy for a one-element index tensor
+        (``FP8StateRef.row``)."""
+        if isinstance(index, Tensor):
+            return tensor.index_select(0, index).squeeze(0)
+        return tensor[index]
+
     def _role_max(self) -> Tensor:
         if self._fp8_max is None or self._fp8_max.device != self.device:
             values = [FP8_MAX[self.recipe.dtype(role)] for role in range(_N_ROLES)]
@@ -255,11 +263,24 @@ class FP8StateTable:
     # ------------------------------------------------------------------ the step path
     @torch.no_grad()
     def record(
-        self, index: int, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor, bins: Tensor | None = None
+        self,
+        index: int | Tensor,
+        role: int,
+        amax: Tensor,
+        scale: Tensor,
+        numel: int,
+        counts: Tensor,
+        bins: Tensor | None = None,
     ) -> None:
         """Record one cast of ``role`` of layer ``index``: the scale it used, its amax (max-combined into the
         pending amax, NaN-propagating), ``numel`` plus the ``[nonzero, overflow, underflow]`` counts, and the
-        histogram of its slice amaxes (``bins``, for tables that keep one)."""
+        histogram of its slice amaxes (``bins``, for tables that keep one).
+
+        ``index`` is the row: an int (eager: writes through views), or a one-element int64 tensor
+        (``FP8StateRef.row``, compiled code: the same values through ``index_put_``)."""
+        if isinstance(index, Tensor):
+            self._record_at(index, role, amax, scale, numel, counts, bins)
+            return
         self.role_scale[role][index].copy_(scale)
         pending = self.role_amax_pending[role][index]
         pending.copy_(torch.maximum(pending, amax.float()))
@@ -268,6 +289,22 @@ class FP8StateTable:
         row[NONZERO:].add_(counts)
         if bins is not None and self.role_amax_bins[role].shape[1]:
             self.role_amax_bins[role][index].add_(bins)
+
+    def _record_at(
+        self, row: Tensor, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor, bins: Tensor | None
+    ) -> None:
+        """:meth:`record` at a row given as a one-element tensor: read, combine, write back with ``index_put_``."""
+        at = (row,)
+        self.role_scale[role].index_put_(at, scale.reshape(1).to(torch.float32))
+        pending = self.role_amax_pending[role]
+        pending.index_put_(at, torch.maximum(pending.index_select(0, row), amax.float().reshape(1)))
+        counters = self.role_counts[role]
+        old = counters.index_select(0, row)  # (1, 4)
+        new = torch.cat([old[:, SEEN:NONZERO] + numel, old[:, NONZERO:] + counts.reshape(1, -1)], dim=1)
+        counters.index_put_(at, new)
+        if bins is not None and self.role_amax_bins[role].shape[1]:
+            histogram = self.role_amax_bins[role]
+            histogram.index_put_(at, histogram.index_select(0, row) + bins.reshape(1, -1))
 
     @torch.no_grad()
     def roll(self) -> None:
@@ -341,13 +378,35 @@ class FP8StateTable:
 
 
 class FP8StateRef:
-    """What a layer holds: its table and its row. Layers expose the row as views (``fp8_scale``...)."""
+    """What a layer holds: its table and its row. Layers expose the row as views (``fp8_scale``...).
 
-    __slots__ = ("table", "index")
+    Compiled code addresses the row through :meth:`row`, a tensor, not the Python ``index``: ``torch.compile``
+    makes an integer it reads a constant of the graph, guarded, so identical blocks compiled one by one (the usual
+    way to compile a transformer) would each compile a graph of their own, and past torch's recompile limit (8 by
+    default) the remaining blocks would run eager with only a warning. With a tensor row they share one graph.
+    """
+
+    __slots__ = ("table", "index", "_row")
 
     def __init__(self, table: FP8StateTable, index: int) -> None:
         self.table = table
         self.index = index
+        self._row: Tensor | None = None
+        self.follow_table()
+
+    def follow_table(self) -> None:
+        """Keep :meth:`row` on the table's device (called at construction and when the layer moves)."""
+        if self._row is None or self._row.device != self.table.device:
+            self._row = torch.tensor([self.index], dtype=torch.int64, device=self.table.device)
+
+    def row(self) -> Tensor | int:
+        """The row for compiled code: ``[index]``, a one-element int64 tensor on the table's device (see the class
+        docstring; a 0-d one would be read as an int again), or the int itself if the table moved without the layer
+        (correct, one graph per layer)."""
+        row = self._row
+        if row is None or row.device != self.table.device:
+            return self.index
+        return row
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FP8StateRef:
         import copy
@@ -359,6 +418,8 @@ class FP8StateRef:
 
     def __setstate__(self, state: tuple[FP8StateTable, int]) -> None:
         self.table, self.index = state
+        self._row = None
+        self.follow_table()
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

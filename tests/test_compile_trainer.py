@@ -85,3 +85,62 @@ def test_exclude_names_inside_a_compiled_model_carry_orig_mod():
     plugin = FP8Precision(exclude=["*.5"])
     plugin.convert_module(model.configure_model() or model)  # what the Trainer does: configure_model, then convert
     assert type(model.model._orig_mod[5]) is nn.Linear and isinstance(model.model._orig_mod[1], FP8Linear)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 64), nn.Linear(64, DIM)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class BlocksCompiledInConfigureModel(L.LightningModule):
+    """Each block compiled on its own in ``configure_model`` (torchtitan's way, and Lightning's model-parallel
+    examples'), more blocks than torch's recompile limit (8)."""
+
+    def __init__(self, backend, n_blocks=10):
+        super().__init__()
+        self.backend = backend
+        self.embed = nn.Embedding(256, DIM)
+        self.blocks = nn.ModuleList(_Block() for _ in range(n_blocks))
+        self.head = nn.Linear(DIM, 256)  # not compiled: eager and compiled layers share the state table
+
+    def configure_model(self):
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, OptimizedModule):
+                self.blocks[i] = torch.compile(block, backend=self.backend, fullgraph=True)
+
+    def training_step(self, batch, batch_idx):
+        idx, target = batch
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).float().view(-1, 256), target.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_blocks_compiled_in_configure_model_share_one_graph(recipe):
+    """Identical blocks compiled one by one share one graph under the plugin: a layer's row in the state table is not
+    a constant of the graph. Before, every block compiled its own graph and, past the recompile limit, the remaining
+    blocks ran eager with only a warning."""
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    model = BlocksCompiledInConfigureModel(backend)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        make_trainer(FP8Precision(recipe=recipe), max_steps=3).fit(model, loader(seq_len=SEQ, batch_size=BATCH, n=1_000))
+    assert all(isinstance(block, OptimizedModule) for block in model.blocks)
+    assert backend.frame_count == 1 and not counters["recompiles"] and dict(counters["graph_break"]) == {}
+    # every block's layers ran in FP8 and recorded into their own rows, three steps each
+    for block in model.blocks:
+        for layer, width in ((block.up, DIM), (block.down, 64)):
+            assert isinstance(layer, FP8Linear)
+            assert int(layer.fp8_counts[0, 0]) == 3 * BATCH * SEQ * width
+    histories = [block.up.fp8_amax_history[0, :3] for block in model.blocks]
+    assert all(bool((h > 0).all()) for h in histories)
+    assert len({tuple(h.tolist()) for h in histories}) == len(histories)  # each row its own layer's amaxes

@@ -562,9 +562,9 @@ def test_compile_fullgraph_matches_eager_bitwise(recipe):
 
 
 class _Blocks(nn.Module):
-    def __init__(self):
+    def __init__(self, n=4):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(n))
 
     def forward(self, x):
         for block in self.blocks:
@@ -575,16 +575,23 @@ class _Blocks(nn.Module):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("defer", [False, True], ids=["standalone", "deferred"])
 def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
-    """Each block compiled on its own (a common way to compile transformers): the graphs write rows of one shared
-    state table, forward and backward. No graph may undo what another wrote (AOTAutograd writes back whole
-    mutated inputs), so the run must equal eager bit for bit, state included."""
+    """Each block compiled on its own (a common way to compile transformers, torchtitan's and Lightning's model-parallel
+    examples'): the graphs write rows of one shared state table, forward and backward. No graph may undo what another
+    wrote (AOTAutograd writes back whole mutated inputs), so the run must equal eager bit for bit, state included.
+
+    And under a deferred roll (the plugins'), identical blocks share one graph: a layer's row in the table must not be
+    a constant of the graph (each block would recompile, and past torch's recompile limit, 8 by default, the
+    remaining blocks would silently run eager)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
     eager = _Blocks()
     lf.convert_to_fp8(eager, recipe=recipe)
     compiled = copy.deepcopy(eager)
     assert len({id(b[0].fp8_state.table) for b in compiled.blocks}) == 1
+    counter = CompileCounterWithBackend("aot_eager")
     for i, block in enumerate(compiled.blocks):
-        compiled.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+        compiled.blocks[i] = torch.compile(block, backend=counter, fullgraph=True)
     for step in range(3):
         x, g = torch.randn(8, 64) * (1 + step), torch.randn(8, 64)
         outs = []
@@ -604,6 +611,9 @@ def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
         state_compiled = {k.replace("._orig_mod", ""): v for k, v in _buffers(compiled).items()}
         for name, value in state_eager.items():
             assert torch.equal(value, state_compiled[name]), f"step {step} {name}"
+    # one graph for the four blocks, all three steps; a standalone region rolls between forward and backward, where
+    # each layer's row stays a constant of its graph (see FP8Linear._forward): one graph per block
+    assert counter.frame_count == (1 if defer else len(compiled.blocks))
 
 
 # --- activation checkpointing ----------------------------------------------------------------------------
