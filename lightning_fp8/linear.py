@@ -483,7 +483,7 @@ class FP8Linear(FP8Module, nn.Linear):
 
     def _forward(self, input: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallelLayout | None) -> Tensor:
         state = self.fp8_state
-        table, index = state.table, state.index
+        table = state.table
         recomputing = in_recomputation()
         # What a recomputation replays is captured in eager forwards (a compiled graph recomputes by itself) that
         # can be recomputed: with gradients, or in training mode (a reentrant checkpoint's forward runs without).
@@ -531,14 +531,14 @@ class FP8Linear(FP8Module, nn.Linear):
             and not input.is_inference()
             and not input.is_leaf
         )
-        if torch.compiler.is_compiling() and decision.keep_weight_cast:
-            # The row as a tensor, not a constant of the graph, so that identical blocks compiled one by one share
-            # one graph (see FP8StateRef.row). Only where the roll waits for the optimizer step (the plugins,
-            # defer_amax_history_roll=True): nothing then changes the row between the forward and the backward. A
-            # standalone region rolls in between, and the backward must read the rolled state: an int row reads it
-            # through views, which the compiled backward takes when it runs, where an indexed read may be taken in
-            # the forward (AOTAutograd's partitioner moves any read of graph inputs there).
-            index = state.row()
+        # Compiled, the row is a tensor, not a constant of the graph (torch 2.8 guards on the int as soon as it is
+        # read), so that identical blocks compiled one by one share one graph (see FP8StateRef.row). Only where the
+        # roll waits for the optimizer step (the plugins, defer_amax_history_roll=True): nothing then changes the row
+        # between the forward and the backward. A standalone region rolls in between, and the backward must read the
+        # rolled state: an int row reads it through views, which the compiled backward takes when it runs, where an
+        # indexed read may be taken in the forward (AOTAutograd's partitioner moves reads of graph inputs there).
+        compiled_row = torch.compiler.is_compiling() and decision.keep_weight_cast
+        index = state.row() if compiled_row else state.index
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:
