@@ -17,7 +17,9 @@ Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.js
 ``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config),
 ``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16),
 ``results/llama.json`` and ``results/llama_gpu.json`` (``bench_llama.py`` on this CPU and on an H200: Llama-style
-decoder blocks under bf16, torchao and every recipe, eager and compiled).
+decoder blocks under bf16, torchao and every recipe, eager and compiled), ``results/compile.json``
+(``bench_compile.py``: those blocks compiled whole or block by block, cold, at several depths; its table is rendered
+once the file exists: see ``PENDING``).
 """
 
 from __future__ import annotations
@@ -784,6 +786,82 @@ def fsdp2_all_gather() -> str:
     return caption(data["environment"], data["command"], note) + "\n\n" + what + "\n\n" + table(headers, rows)
 
 
+# ---------------------------------------------------------------------------------------- bench_compile
+
+COMPILE_MODEL_SCOPE = "model"
+
+
+def _compile_ok(v: dict[str, Any] | None) -> bool:
+    return v is not None and "first_step_s" in v
+
+
+def _compile_ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, field: str) -> str:
+    if not a or not b or a.get(field) is None or not b.get(field):
+        return ""
+    return x(a[field] / b[field])
+
+
+def _limit_hit(v: dict[str, Any]) -> str:
+    if not v["recompile_limit_hit"]:
+        return "no"
+    eager = v.get("blocks_run_eager")
+    return "**yes**" + (f": {eager} of {v['depth']} blocks ran eager" if eager is not None else "")
+
+
+def compile_depth(data: dict[str, Any] | None = None) -> str:
+    """``bench_compile.py``'s result: compiling the whole stack or each block, cold, as the stack gets deeper."""
+    data = data or load("compile.json")
+    cfg = data["config"]
+    note = ("no FP8 hardware: the FP8 GEMMs are emulated; compile times and graph counts do not depend on it, the step "
+            "time ratios show the cost of the emulation, not FP8 speed")
+    size = next(iter(data["depths"].values()))["size"]
+    what = (f"Llama-style decoder blocks of `bench_llama.py` (hidden {size['hidden']}, FFN {size['ffn']}, "
+            f"{_plural(size['heads'], 'head')}, {_plural(size['kv_heads'], 'KV head')}, {size['tokens']} tokens per "
+            f"step), training steps under `torch.compile` ({cfg['backend']}) of the whole stack (`model`) or of each "
+            "block in its place (`blocks`, torchtitan's way), each compiled cold (a fresh inductor cache, "
+            "`torch._dynamo.reset()` before it). First step: the compile and one step. Frames, graphs, "
+            "recompilations and graph breaks: torch's records of the first step and the "
+            f"{_plural(cfg['warmup'], 'warm-up step')}; recompile limit ({cfg['recompile_limit']}) hit: torch records a "
+            "failed compile (`Dynamo recompile limit exceeded`) and then runs the calls no cached graph matches "
+            "eagerly; blocks that ran eager: the depth minus the compiled regions one step runs (`torch.profiler`). "
+            "Tracing: dynamo's share of the first step (`bytecode_tracing`). Ratios of the first step to the same "
+            "variant's `model` scope and to torchao tensorwise in the same scope and depth; steady step: the median "
+            f"of {_plural(cfg['reps'], 'step')} after the warm-up, against the same variant eager at the same depth.")
+    rows = []
+    notes: list[str] = []
+    for depth, res in data["depths"].items():
+        variants = res["variants"]
+        for kind in cfg["kinds"]:
+            v = variants.get(kind)
+            if v is None:
+                continue
+            for scope in cfg["scopes"]:
+                c = v.get(scope)
+                if not _compile_ok(c):
+                    rows.append([depth, v["name"], f"`{scope}`", (c or {}).get("status", "not run"),
+                                 *([""] * 10)])
+                    continue
+                c = {**c, "depth": int(depth)}
+                ref = v.get(COMPILE_MODEL_SCOPE)
+                ao = variants.get(LLAMA_TORCHAO, {}).get(scope)
+                steady = _compile_ratio(c, v.get("eager"), "median_s") or c["status"]
+                rows.append([depth, v["name"], f"`{scope}`", c["frames"], c["graphs"], c["recompiles"],
+                             c["graph_breaks"], c["compiled_regions_per_step"], _limit_hit(c),
+                             f"{c['first_step_s']:.1f} s",
+                             f"{c['compile_phases_s']['bytecode_tracing']:.1f} s",
+                             _compile_ratio(c, ref, "first_step_s") if scope != COMPILE_MODEL_SCOPE else "",
+                             _compile_ratio(c, ao, "first_step_s") if kind != LLAMA_TORCHAO else "", steady])
+                notes += c["recompile_reasons"]
+    out = [caption(data["environment"], data["command"], note), "", what, "",
+           table(["blocks", "variant", "scope", "frames", "graphs", "recompilations", "graph breaks",
+                  "compiled regions / step", "recompile limit hit", "first step", "tracing", "× `model` scope",
+                  "× torchao tensorwise", "steady step ÷ eager"], rows, right=3)]
+    if notes:
+        out += ["", "*Recompilation reasons (the guard that failed): " + "; ".join(
+            f"`{r}`" for r in sorted(set(notes))) + ".*"]
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "convergence.md": convergence_plain,
     "convergence_outliers.md": convergence_outliers,
@@ -808,6 +886,13 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
     "fsdp2_all_gather.md": fsdp2_all_gather,
 }
+#: Tables of a benchmark whose result file is not committed yet, and the file: each is registered once its file
+#: exists, so that before the first run ``--check`` and ``tests/test_doc_numbers.py`` ask for no table (and no page
+#: may include one), and after it they ask for the table and for a page that includes it, as for any other.
+PENDING: dict[str, tuple[str, Callable[[], str]]] = {
+    "compile_depth.md": ("compile.json", compile_depth),
+}
+RENDERERS.update({name: fn for name, (source, fn) in PENDING.items() if os.path.exists(os.path.join(RESULTS, source))})
 
 
 def render_all() -> dict[str, str]:
