@@ -89,9 +89,16 @@ class _LinearCall:
     input_scale_final: bool = False
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
-        """``(history scale, history usable)`` of ``role`` in the table (views)."""
+        """``(history scale, history usable)`` of ``role`` in the table (views where the row is an int).
+
+        The flag is read from the role's column, never as a slice of the row's flags: compiled with a tensor row, the
+        backward's read of the grad_output flag would otherwise be the same operation as the forward's read of the
+        input and weight flags, AOTAutograd would merge the two, and the backward would use the flag as it was at
+        the forward, stale where a roll comes between the two (manual optimization with two optimizers, a retained
+        graph). As its own operation the read stays in the backward: the partitioner saves the table (a graph input)
+        rather than the read."""
         table = self.table
-        return table.at_row(table.role_scale[role], self.index), table.at_row(table.initialized, self.index)[role]
+        return table.at_row(table.role_scale[role], self.index), table.at_row(table.initialized.select(1, role), self.index)
 
     def quantize(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
         if spec.scale_source == "history" and history is None:
@@ -544,7 +551,7 @@ class FP8Linear(FP8Module, nn.Linear):
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable
             # (one copy of the input and weight flags) and the scale each cast used (a new tensor already).
-            ready = table.initialized[index, :2].clone()
+            ready = table.at_row(table.initialized, index)[:2].clone()
         qx = call.quantize_input(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
         qw = call.quantize_weight(weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
         out = _FP8LinearFn.apply(x2d, weight, qx.data, qx.scale, qw.data, qw.scale, call)

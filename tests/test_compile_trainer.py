@@ -144,3 +144,77 @@ def test_blocks_compiled_in_configure_model_share_one_graph(recipe):
     histories = [block.up.fp8_amax_history[0, :3] for block in model.blocks]
     assert all(bool((h > 0).all()) for h in histories)
     assert len({tuple(h.tolist()) for h in histories}) == len(histories)  # each row its own layer's amaxes
+
+
+class CompiledGAN(L.LightningModule):
+    """Manual optimization with two optimizers in the DCGAN order: the generator's forward once, the discriminator's
+    step (where the plugin rolls the state table, the generator's rows too) between the generator's forward and its
+    backward. The generator's blocks are compiled one by one (``backend=None``: eager)."""
+
+    def __init__(self, backend):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backend = backend
+        self.automatic_optimization = False
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.d = nn.Sequential(nn.Linear(DIM, 64), nn.GELU(), nn.Linear(64, 16))
+        self.g_grads = []
+
+    def configure_model(self):
+        if self.backend is not None:
+            for i, block in enumerate(self.blocks):
+                if not isinstance(block, OptimizedModule):
+                    self.blocks[i] = torch.compile(block, backend=self.backend, fullgraph=True)
+
+    def training_step(self, batch, batch_idx):
+        z, real = batch
+        opt_g, opt_d = self.optimizers()
+        fake = z
+        for block in self.blocks:
+            fake = block(fake)
+        d_loss = self.d(real).float().mean() - self.d(fake).float().mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss, retain_graph=True)
+        opt_d.step()  # rolls the table
+        g_loss = self.d(fake).float().mean() * 8  # gradients larger than the history's: a stale scale shows
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.g_grads.append([p.grad.clone() for p in self.blocks.parameters()])
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.blocks.parameters(), lr=0.01), torch.optim.SGD(self.d.parameters(), lr=0.01)
+
+
+def _fp8_state(model):
+    """The model's FP8 state by layer name (without the compiled wrappers' ``_orig_mod``) and field."""
+    from lightning_fp8 import fp8_state_dict
+
+    out = {}
+    for table in fp8_state_dict(model)["tables"]:
+        for row, layer in enumerate(table["layers"]):
+            for field, value in table.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{layer.replace('._orig_mod', '')}:{field}"] = value[row].clone()
+    return out
+
+
+def test_compiled_blocks_roll_between_forward_and_backward_match_eager():
+    """The discriminator's optimizer step rolls the table between the generator's compiled forward and its backward:
+    the generator's backward must scale its gradients with the rolled grad_output history, as eager does (it used the
+    flag as read in the forward: wrong gradients, no error)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 8, DIM, generator=g), torch.randn(12, 8, DIM, generator=g))
+    runs = []
+    for backend in (None, "aot_eager"):
+        torch._dynamo.reset()
+        model = CompiledGAN(backend)
+        make_trainer(FP8Precision(recipe="delayed"), max_steps=4).fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        runs.append((model.g_grads, _fp8_state(model)))
+    (grads_eager, state_eager), (grads_compiled, state_compiled) = runs
+    assert len(grads_eager) == len(grads_compiled) == 2
+    for step, (a, b) in enumerate(zip(grads_eager, grads_compiled)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"generator gradients differ at step {step}"
+    assert state_eager.keys() == state_compiled.keys()
+    for name, value in state_eager.items():
+        assert torch.equal(value, state_compiled[name]), name

@@ -616,6 +616,49 @@ def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
     assert counter.frame_count == (1 if defer else len(compiled.blocks))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_compiled_backward_reads_history_rolled_after_its_forward(backend, scope):
+    """Under a deferred roll the roll may still fall between a layer's forward and its backward: manual optimization
+    with two optimizers (a GAN: the discriminator's step rolls the one table, then the generator's backward runs), or
+    a backward over a retained graph. The compiled backward must read the grad_output history as it is when it runs,
+    as eager does; a copy taken in the forward (which AOTAutograd's partitioner would make of an indexed read the
+    forward also does) is stale. The gradients grow 4x a step, so a stale history scales them wrongly."""
+    torch._dynamo.reset()
+    eager = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.GELU())])  # six rows in one table
+    lf.convert_to_fp8(eager, recipe="delayed")
+    compiled = copy.deepcopy(eager)
+    if scope == "model":
+        compiled = torch.compile(compiled, backend=backend, fullgraph=True)
+    else:
+        for i in range(0, len(compiled), 2):
+            compiled[i] = torch.compile(compiled[i], backend=backend, fullgraph=True)
+    for step in range(3):
+        x, g = torch.randn(16, 32) * (1 + step), torch.randn(16, 32) * 4**step
+        outs = []
+        for model in (eager, compiled):
+            xx = x.clone().requires_grad_()
+            with lf.fp8_autocast(defer_amax_history_roll=True):
+                y = model(xx)
+            lf.roll_amax_history(model)  # between the forward and the backward
+            y.backward(g)
+            outs.append((xx.grad, [p.grad for p in model.parameters()], _buffers(model)))
+            model.zero_grad(set_to_none=True)
+        (gx1, gp1, s1), (gx2, gp2, s2) = outs
+        s2 = {k.replace("._orig_mod", "").replace("_orig_mod.", ""): v for k, v in s2.items()}
+        if backend == "aot_eager":  # the same operations: bit for bit
+            assert torch.equal(gx1, gx2), f"step {step} grad_input"
+            assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), f"step {step}"
+            assert all(torch.equal(v, s2[k]) for k, v in s1.items()), f"step {step} state"
+        else:  # inductor fuses the GELUs and bias adds (last-bit differences); a stale scale is far off (~100%)
+            torch.testing.assert_close(gx2, gx1, rtol=1e-4, atol=1e-5, msg=f"step {step} grad_input")
+            for a, b in zip(gp1, gp2):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=f"step {step} parameter grads")
+            for k, v in s1.items():
+                if v.is_floating_point():  # scales and histories
+                    torch.testing.assert_close(s2[k], v, rtol=1e-4, atol=0, msg=f"step {step} {k}")
+
+
 # --- activation checkpointing ----------------------------------------------------------------------------
 
 
