@@ -347,3 +347,33 @@ def test_delayed_cast_of_a_persistent_input_is_not_reused_after_a_roll(evaluate,
     assert not torch.equal(separate_outputs[1], separate_outputs[2])  # the scales moved
     for shared, separate in zip(shared_outputs, separate_outputs):
         assert torch.equal(shared, separate)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_layers_count_every_weight_cast_with_the_same_fractions(recipe):
+    """As docs/stats.md says: a compiled layer casts its weight at every micro-batch and counts every cast (eager keeps
+    one cast per optimizer step and counts it once); the fractions the callback logs are the same."""
+    import copy
+
+    from torch import nn
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    lf.convert_to_fp8(eager, recipe=recipe)
+    compiled = copy.deepcopy(eager)
+    run = {"eager": eager, "compiled": torch.compile(compiled, backend="aot_eager", fullgraph=True)}
+    micro_batches = [torch.randn(8, 32) for _ in range(3)]
+    for model in run.values():
+        for x in micro_batches:  # one optimizer step of three micro-batches
+            with lf.fp8_autocast(defer_amax_history_roll=True):
+                model(x).float().pow(2).mean().backward()
+        lf.roll_amax_history(model)
+    (weight_eager, input_eager), (weight_compiled, input_compiled) = (
+        (layer.fp8_counts[WEIGHT].clone(), layer.fp8_counts[INPUT].clone()) for layer in (eager[0], compiled[0])
+    )
+    assert int(weight_eager[0]) == 64 * 32 and torch.equal(weight_compiled, 3 * weight_eager)
+    assert torch.equal(input_compiled, input_eager)  # inputs are cast, and counted, at every micro-batch either way
+    assert int(weight_eager[1]) > 0 and weight_compiled[1:].float().div(weight_compiled[0]).equal(
+        weight_eager[1:].float().div(weight_eager[0])
+    )
