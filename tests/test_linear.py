@@ -616,6 +616,32 @@ def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
     assert counter.frame_count == (1 if defer else len(compiled.blocks))
 
 
+def _compile_in_scope(model, parts, scope, backend, fullgraph=True, every=1):
+    """``model`` compiled whole (``scope="model"``), or every ``every``-th module of ``parts`` (a ModuleList or
+    Sequential of ``model``) compiled in its place."""
+    if scope == "model":
+        return torch.compile(model, backend=backend, fullgraph=fullgraph)
+    for i in range(0, len(parts), every):
+        parts[i] = torch.compile(parts[i], backend=backend, fullgraph=fullgraph)
+    return model
+
+
+def _deferred_step(model, x, g, roll_before_backward=False):
+    """One step under a deferred roll: ``(output, input grad, parameter grads)``; the roll after the backward (the
+    plugins' order) or between the forward and the backward."""
+    xx = x.clone().requires_grad_()
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        y = model(xx)
+    if roll_before_backward:
+        lf.roll_amax_history(model)
+    y.backward(g)
+    if not roll_before_backward:
+        lf.roll_amax_history(model)
+    out = (y.detach(), xx.grad, [p.grad for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_backward_reads_history_rolled_after_its_forward(backend, scope):
@@ -627,24 +653,12 @@ def test_compiled_backward_reads_history_rolled_after_its_forward(backend, scope
     torch._dynamo.reset()
     eager = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.GELU())])  # six rows in one table
     lf.convert_to_fp8(eager, recipe="delayed")
-    compiled = copy.deepcopy(eager)
-    if scope == "model":
-        compiled = torch.compile(compiled, backend=backend, fullgraph=True)
-    else:
-        for i in range(0, len(compiled), 2):
-            compiled[i] = torch.compile(compiled[i], backend=backend, fullgraph=True)
+    plain = copy.deepcopy(eager)
+    compiled = _compile_in_scope(plain, plain, scope, backend, every=2)
     for step in range(3):
         x, g = torch.randn(16, 32) * (1 + step), torch.randn(16, 32) * 4**step
-        outs = []
-        for model in (eager, compiled):
-            xx = x.clone().requires_grad_()
-            with lf.fp8_autocast(defer_amax_history_roll=True):
-                y = model(xx)
-            lf.roll_amax_history(model)  # between the forward and the backward
-            y.backward(g)
-            outs.append((xx.grad, [p.grad for p in model.parameters()], _buffers(model)))
-            model.zero_grad(set_to_none=True)
-        (gx1, gp1, s1), (gx2, gp2, s2) = outs
+        (_, gx1, gp1), s1 = _deferred_step(eager, x, g, roll_before_backward=True), _buffers(eager)
+        (_, gx2, gp2), s2 = _deferred_step(compiled, x, g, roll_before_backward=True), _buffers(compiled)
         s2 = {k.replace("._orig_mod", "").replace("_orig_mod.", ""): v for k, v in s2.items()}
         if backend == "aot_eager":  # the same operations: bit for bit
             assert torch.equal(gx1, gx2), f"step {step} grad_input"
@@ -737,23 +751,11 @@ def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
     eager.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in eager.blocks)
     compiled.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in compiled.blocks)
     counter = CompileCounterWithBackend("aot_eager")
-    if scope == "model":
-        compiled = torch.compile(compiled, backend=counter, fullgraph=fullgraph)
-    else:
-        for i, block in enumerate(compiled.blocks):
-            compiled.blocks[i] = torch.compile(block, backend=counter, fullgraph=fullgraph)
+    compiled = _compile_in_scope(compiled, compiled.blocks, scope, counter, fullgraph=fullgraph)
     for step in range(3):
         x, g = torch.randn(8, 64) * (1 + step), torch.randn(8, 64) * 2**step
-        outs = []
-        for model in (eager, compiled):
-            xx = x.clone().requires_grad_()
-            with lf.fp8_autocast(defer_amax_history_roll=True):
-                y = model(xx)
-            y.backward(g)
-            lf.roll_amax_history(model)
-            outs.append((y.detach(), xx.grad, [p.grad for p in model.parameters()]))
-            model.zero_grad(set_to_none=True)
-        (y1, gx1, gp1), (y2, gx2, gp2) = outs
+        y1, gx1, gp1 = _deferred_step(eager, x, g)
+        y2, gx2, gp2 = _deferred_step(compiled, x, g)
         assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
         assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
     state_eager = lf.fp8_state_dict(eager)["tables"][0]
