@@ -804,6 +804,20 @@ def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
                 torch.compile(module, backend="aot_eager", fullgraph=True)(x)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_standalone_region_cannot_compile_a_checkpoint(recipe):
+    """As the troubleshooting page says: inside a standalone ``fp8_autocast()`` (which notes on the host which layers
+    ran, to roll them on exit) dynamo refuses a compiled activation checkpoint (without ``fullgraph`` it runs eager)."""
+    torch._dynamo.reset()
+    model = _Blocks(n=1)
+    lf.convert_to_fp8(model, recipe=recipe)
+    model.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in model.blocks)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="Unsafe side effect"):
+        with lf.fp8_autocast():
+            compiled(torch.randn(8, 64, requires_grad=True))
+
+
 def test_state_is_fresh_after_to_empty_from_meta():
     with torch.device("meta"):
         layer = lf.FP8Linear(32, 32, recipe="delayed")
