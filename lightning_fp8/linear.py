@@ -540,10 +540,11 @@ class FP8Linear(FP8Module, nn.Linear):
         )
         # Compiled, the row is a tensor, not a constant of the graph (torch 2.8 guards on the int as soon as it is
         # read), so that identical blocks compiled one by one share one graph (see FP8StateRef.row). Only where the
-        # roll waits for the optimizer step (the plugins, defer_amax_history_roll=True): nothing then changes the row
-        # between the forward and the backward. A standalone region rolls in between, and the backward must read the
-        # rolled state: an int row reads it through views, which the compiled backward takes when it runs, where an
-        # indexed read may be taken in the forward (AOTAutograd's partitioner moves reads of graph inputs there).
+        # roll waits for the optimizer step (the plugins, defer_amax_history_roll=True), where a roll rarely comes
+        # between a forward and its backward (two optimizers, a retained graph): the backward's indexed reads are
+        # then operations of their own, which stay in the backward (see _LinearCall.history). A standalone region
+        # rolls between every forward and backward, and keeps the int row: its reads are views, which the compiled
+        # backward always takes when it runs (an indexed read the forward also does is merged into the forward's).
         compiled_row = torch.compiler.is_compiling() and decision.keep_weight_cast
         index = state.row() if compiled_row else state.index
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
