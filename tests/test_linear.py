@@ -724,7 +724,7 @@ def test_activation_checkpointing_records_each_tensor_once(use_reentrant):
 
 @pytest.mark.slow
 def test_retained_graph_second_backward_with_inductor_buffer_reuse_off():
-    """The workaround the troubleshooting page gives for a torch inductor defect (found here, not ours to fix): with
+    """The workaround the troubleshooting page gives for an inductor buffer-reuse problem (found here): with
     ``delayed``, this six-layer model compiled whole by inductor and a backward over a retained graph, inductor's
     backward reuses the buffer of a saved forward output (``buf0 = mm_5; del mm_5  # reuse``), so the second
     backward computes from overwritten values (gradients about 15% off, no error). With
