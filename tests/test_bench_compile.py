@@ -5,7 +5,6 @@ only reported, as a ratio)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_compile
 import docs_tables
 import harness
+from utils import bench_result
 
 DEPTHS = (1, 2)
 KINDS = ("bf16", "ours-tensorwise")
@@ -29,18 +29,11 @@ def result(tmp_path_factory) -> dict:
     """One run of the script's measurement code: the test size at depths 1 and 2, bf16 and our tensorwise, both
     compile scopes, with dynamo alone (``backend="eager"``: the frames, graphs and recompilations without inductor's
     compile time), written and read back as the script does. One thread: steadier on a loaded machine."""
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = bench_compile.run(DEPTHS, KINDS, bench_compile.SCOPES, backend="eager", width="test", warmup=1, reps=2,
-                                 log=lambda message: None)
-    finally:
-        torch.set_num_threads(threads)
-        torch._dynamo.reset()
-    path = tmp_path_factory.mktemp("compile") / "compile.json"
-    harness.write_result(str(path), harness.environment(), "python benchmarks/bench_compile.py --depths 1,2", **data)
-    return json.loads(path.read_text())
+    return bench_result(
+        tmp_path_factory, "compile", "python benchmarks/bench_compile.py --depths 1,2",
+        lambda: bench_compile.run(DEPTHS, KINDS, bench_compile.SCOPES, backend="eager", width="test", warmup=1, reps=2,
+                                  log=lambda message: None),
+    )
 
 
 def test_result_file_structure(result):

@@ -4,7 +4,6 @@ tables and the issue's targets need (no timing is asserted: speed is only report
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import sys
@@ -20,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_llama
 import docs_tables
 import harness
+from utils import bench_result
 
 KINDS = ("bf16", "torchao-tensorwise", "ours-tensorwise", "ours-delayed")
 COMPILED = ("ours-tensorwise",)
@@ -30,18 +30,11 @@ def result(tmp_path_factory) -> dict:
     """One run of the script's measurement code: test size, bf16, torchao, our tensorwise and delayed, eager, and ours
     compiled with dynamo alone (``backend="eager"``: the graphs, graph breaks and recompilations without inductor's
     compile time), written and read back as the script does. One thread: steadier on a loaded machine."""
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = bench_llama.run([bench_llama.SIZES["test"]], KINDS, device="cpu", compile_backend="eager", warmup=2,
-                               reps=2, log=lambda message: None, compile_kinds=COMPILED)
-    finally:
-        torch.set_num_threads(threads)
-        torch._dynamo.reset()
-    path = tmp_path_factory.mktemp("llama") / "llama.json"
-    harness.write_result(str(path), harness.environment(), "python benchmarks/bench_llama.py --sizes test", **data)
-    return json.loads(path.read_text())
+    return bench_result(
+        tmp_path_factory, "llama", "python benchmarks/bench_llama.py --sizes test",
+        lambda: bench_llama.run([bench_llama.SIZES["test"]], KINDS, device="cpu", compile_backend="eager", warmup=2,
+                                reps=2, log=lambda message: None, compile_kinds=COMPILED),
+    )
 
 
 def test_the_block_is_llama_shaped():

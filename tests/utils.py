@@ -58,3 +58,25 @@ def gloo_check_folder(run, check: str) -> Path:
     """The folder of ``check`` in a run of tests/scripts/gloo_checks.py started by conftest's ``gloo_runs`` (an
     ``EarlyResult``): gloo_checks.py's ``folder`` rule."""
     return Path(run.workdir) / "checks" / check.replace("/", "__").replace(",", "-")
+
+
+def bench_result(tmp_path_factory, name: str, command: str, measure) -> dict:
+    """A benchmark's result as its script writes it: ``measure()`` (the script's measurement code, returning the
+    result's fields) run on one torch thread (steadier on a loaded machine), then dynamo reset, the fields written with
+    the environment by ``benchmarks/harness.py`` under ``command`` and read back from the file."""
+    import json
+
+    import harness  # benchmarks/ is on sys.path in the benchmark tests
+    import torch
+
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = measure()
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    path = tmp_path_factory.mktemp(name) / f"{name}.json"
+    harness.write_result(str(path), harness.environment(), command, **data)
+    return json.loads(path.read_text())
