@@ -98,7 +98,10 @@ class _LinearCall:
         graph). As its own operation the read stays in the backward: the partitioner saves the table (a graph input)
         rather than the read."""
         table = self.table
-        return table.at_row(table.role_scale[role], self.index), table.at_row(table.initialized.select(1, role), self.index)
+        return (
+            table.at_row(table.history_scale.select(1, role), self.index),
+            table.at_row(table.initialized.select(1, role), self.index),
+        )
 
     def quantize(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
         if spec.scale_source == "history" and history is None:
@@ -122,11 +125,9 @@ class _LinearCall:
         source = self.input_source
         history_scaled = spec.scale_source == "history"
         if torch.compiler.is_compiling():
-            q = self.quantize(x, spec, record, history)
-            if record and history_scaled:
-                # the graph records, not this code: no token is trusted again (a store, never read here, so no guard)
-                self.table.lineage_untrusted = True
-            return q
+            # the graph records, not this code: its record bumps the pending amax's version counter, which ends the
+            # tokens' trust at the next eager read (FP8StateTable.lineage); no host-side store here
+            return self.quantize(x, spec, record, history)
         lineage = self.table.lineage() if history_scaled and history is None else None
         if source is None or history is not None or (history_scaled and lineage is None):
             q = self.quantize(x, spec, record, history)
@@ -152,6 +153,7 @@ class _LinearCall:
                 if record:
                     self.record(spec.role, entry[1])
                     lineage[self.index] = after  # the same record as the caster's: still equal
+                    self.table.mark_lineage()
                 self.input_scale_final = True
                 return entry[1]
         q = self.quantize(x, spec, record, history)
@@ -169,6 +171,7 @@ class _LinearCall:
         if lineage is None:
             return None
         lineage[self.index] = token = self.table.new_lineage()
+        self.table.mark_lineage()
         return token
 
     def quantize_weight(

@@ -18,6 +18,9 @@ tensor              shape            meaning
 ``counts``          ``(L, 3, 4)``    cumulative ``seen``, ``nonzero``, ``overflow``, ``underflow``
                                      element counts (int64), per rank
 ``initialized``     ``(L, 3)``       ``delayed``: the history holds a usable amax
+``history_scale``   ``(L, 3)``       ``delayed``: the scale derived from the history at the last roll, which
+                                     the casts read (not exported: ``scale`` as of the last roll or write
+                                     of rows)
 ``counts_epoch``    ``(L,)``         bumped whenever the row's counters restart from zero (a reader of
                                      interval statistics then takes a new baseline)
 ``amax_bins``       ``(L, 3, B)``    cumulative histogram of the slice / block amaxes of ``rowwise`` and the
@@ -114,6 +117,11 @@ class FP8StateTable:
         self.role_amax_bins = [torch.zeros(n, bins, dtype=torch.int64, **kw) for _ in ROLES]
         self.amax_history = torch.zeros(n, _N_ROLES, length, dtype=torch.float32, **kw)
         self.initialized = torch.zeros(n, _N_ROLES, dtype=torch.bool, **kw)
+        #: What the history-scaled casts read: ``scale`` as the last roll (or write of rows) left it, never written
+        #: by a cast. Casts write ``scale`` in place (the scale they used); a compiled activation checkpoint saves
+        #: the tensor it reads for its recomputation, and a cast of a later block writing that tensor would fail
+        #: autograd's version check in the backward. Written through ``.data`` (see :meth:`roll`).
+        self.history_scale = torch.ones(n, _N_ROLES, dtype=torch.float32, **kw)
         self.counts_epoch = torch.zeros(n, dtype=torch.int64, **kw)
         self._fp8_max = None
         self.generation = getattr(self, "generation", 0) + 1
@@ -121,9 +129,11 @@ class FP8StateTable:
         #: scale, readiness), so one cast serves them (see ``input_lineage``). Fresh rows are all equal.
         self.input_lineage: list[int] = [0] * n
         self._lineage_next = getattr(self, "_lineage_next", 1)
-        #: Set when a compiled forward recorded an input cast (its records do not update the tokens): no row's token
-        #: is trusted again until rows are written (:meth:`set_rows` compares their values).
+        #: Set once something other than the host code that keeps the tokens recorded an input cast (a compiled
+        #: graph; see :meth:`lineage`): no row's token is trusted again until rows are written (:meth:`set_rows`
+        #: compares their values).
         self.lineage_untrusted = False
+        self.mark_lineage()
 
     @property
     def scale(self) -> Tensor:
@@ -168,6 +178,7 @@ class FP8StateTable:
             self.amax_history,
             self.initialized,
             self.counts_epoch,
+            self.history_scale,
         ]
 
     def follow(self, fn: Any) -> None:
@@ -184,10 +195,13 @@ class FP8StateTable:
         if self.device.type == "meta":
             self._allocate(self.num_layers, target)
             return
+        trusted = self.lineage() is not None
         for name in ("role_scale", "role_amax_pending", "role_counts", "role_amax_bins"):
             setattr(self, name, [t.to(target) for t in getattr(self, name)])
-        for name in ("amax_history", "initialized", "counts_epoch"):
+        for name in ("amax_history", "initialized", "counts_epoch", "history_scale"):
             setattr(self, name, getattr(self, name).to(target))
+        if trusted:  # the same values in new tensors: the tokens still hold
+            self.mark_lineage()
         self._fp8_max = None
         self.generation += 1
 
@@ -204,6 +218,8 @@ class FP8StateTable:
                     tensor.data.index_copy_(0, index, values[:, role])
             else:
                 getattr(self, name).data.index_copy_(0, index, values)
+            if name == "scale":
+                self.history_scale.data.index_copy_(0, index, values)
         if name in ("scale", "amax_pending", "amax_history", "initialized"):
             self._derive_input_lineage()
 
@@ -213,10 +229,40 @@ class FP8StateTable:
 
         Tokens are host values kept next to the device state: two rows with the same token have recorded the same
         input amaxes since their values were last equal (a shared cast records into both), so their input scales are
-        equal without reading the device. A table unpickled from an older version has none: untrusted."""
+        equal without reading the device. A table unpickled from an older version has none: untrusted.
+
+        The eager layers update the tokens with each input cast they record and then :meth:`mark_lineage`. Every
+        record of an input cast writes the input role's pending amax in place, which bumps that tensor's version
+        counter, whoever records: a compiled graph too (AOTAutograd writes a graph's mutations back into the
+        tensor, activation checkpoints and inference mode included). So a version other than the marked one means
+        a record the tokens did not follow, and they stay untrusted from then on. The roll and the other writes of
+        whole-table state go through ``.data`` (no version bump) and keep equal rows equal. Nothing is stored while
+        compiling: a host-side store in a compiled graph is a side effect that dynamo refuses inside an activation
+        checkpoint."""
         if self.__dict__.get("lineage_untrusted", True) or "input_lineage" not in self.__dict__:
             return None
+        if self.role_amax_pending[INPUT]._version != self.__dict__.get("_lineage_version"):
+            self.lineage_untrusted = True
+            return None
         return self.input_lineage
+
+    def mark_lineage(self) -> None:
+        """The tokens follow every input cast recorded so far: remember the input role's pending amax's version."""
+        self._lineage_version = self.role_amax_pending[INPUT]._version
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle keeps the tokens' trust (its tensors have version counters of their own)."""
+        state = self.__dict__.copy()
+        state["lineage_untrusted"] = self.lineage() is None
+        state.pop("_lineage_version", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "history_scale" not in state and "role_scale" in state:  # pickled by an older version
+            self.history_scale = self.scale.clone()
+        if "lineage_untrusted" in state and not state["lineage_untrusted"]:
+            self.mark_lineage()
 
     def new_lineage(self) -> int:
         """A token no row holds: the input-role state of a row that recorded a cast of its own."""
@@ -227,6 +273,7 @@ class FP8StateTable:
     def _derive_input_lineage(self) -> None:
         """Give rows whose input-role state is equal, value for value, the same token (a host copy of those rows)."""
         self.lineage_untrusted = False
+        self.mark_lineage()
         if self.device.type == "meta":
             return
         role = INPUT
@@ -339,6 +386,7 @@ class FP8StateTable:
         ok = amax_ref > 0
         scale = torch.where(ok, new_scale, self.scale)
         torch._foreach_copy_([t.data for t in self.role_scale], list(scale.unbind(1)))
+        self.history_scale.data.copy_(scale)
         self.initialized.data.logical_or_(ok)
 
     @torch.no_grad()

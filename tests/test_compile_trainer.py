@@ -96,18 +96,30 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
+class _CheckpointedBlock(_Block):
+    """A block in an activation checkpoint, compiled with it (torchtitan's order: checkpoint, then compile)."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
 class BlocksCompiledInConfigureModel(L.LightningModule):
     """Each block compiled on its own in ``configure_model`` (torchtitan's way, and Lightning's model-parallel
     examples'), more blocks than torch's recompile limit (8)."""
 
-    def __init__(self, backend, n_blocks=10):
+    def __init__(self, backend, n_blocks=10, checkpoint=False):
         super().__init__()
         self.backend = backend
         self.embed = nn.Embedding(256, DIM)
-        self.blocks = nn.ModuleList(_Block() for _ in range(n_blocks))
+        block = _CheckpointedBlock if checkpoint else _Block
+        self.blocks = nn.ModuleList(block() for _ in range(n_blocks))
         self.head = nn.Linear(DIM, 256)  # not compiled: eager and compiled layers share the state table
 
     def configure_model(self):
+        if self.backend is None:  # the eager twin
+            return
         for i, block in enumerate(self.blocks):
             if not isinstance(block, OptimizedModule):
                 self.blocks[i] = torch.compile(block, backend=self.backend, fullgraph=True)
@@ -144,6 +156,36 @@ def test_blocks_compiled_in_configure_model_share_one_graph(recipe):
     histories = [block.up.fp8_amax_history[0, :3] for block in model.blocks]
     assert all(bool((h > 0).all()) for h in histories)
     assert len({tuple(h.tolist()) for h in histories}) == len(histories)  # each row its own layer's amaxes
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_checkpointed_blocks_compiled_in_configure_model_match_eager(recipe):
+    """Activation-checkpointed blocks compiled one by one in ``configure_model`` (torchtitan's way): one graph with
+    ``fullgraph=True`` for every block, ``delayed`` included, and the run bit for bit the eager one's (parameters and
+    FP8 state after three steps). Before, ``delayed`` could not compile there (dynamo refused a host-side store of the
+    layers inside the checkpoint) and ran the blocks eager."""
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    runs = []
+    for compile_backend in (None, backend):
+        torch.manual_seed(0)
+        model = BlocksCompiledInConfigureModel(compile_backend, n_blocks=3, checkpoint=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            trainer = make_trainer(FP8Precision(recipe=recipe), max_steps=3)
+            trainer.fit(model, loader(seq_len=SEQ, batch_size=BATCH, n=1_000))
+        state = {name.replace("._orig_mod", ""): fields for name, fields in per_layer(fp8_state_dict(model)).items()}
+        runs.append(([p.detach().clone() for p in model.parameters()], state))
+    assert backend.frame_count == 1 and not counters["recompiles"] and dict(counters["graph_break"]) == {}
+    (params_eager, state_eager), (params_compiled, state_compiled) = runs
+    assert all(torch.equal(a, b) for a, b in zip(params_eager, params_compiled))
+    assert state_eager.keys() == state_compiled.keys()
+    for name, fields in state_eager.items():
+        for field, value in fields.items():
+            other = state_compiled[name][field]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (name, field)
+    # each input recorded once a step (not again by the recomputation)
+    assert int(model.blocks[0].up.fp8_counts[0, 0]) == 3 * BATCH * SEQ * DIM
 
 
 class CompiledGAN(L.LightningModule):

@@ -768,20 +768,18 @@ class _CheckpointedBlock(nn.Module):
 def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
     """An activation checkpoint compiled with its block (``torch.compile(checkpointed_block)``, or the whole model),
     under a deferred roll (the plugins'), against the same checkpointed model eager, bit for bit, FP8 state included.
-    Every recipe but ``delayed`` compiles into one graph with ``fullgraph=True``. ``delayed`` raises there (dynamo
-    refuses the host-side record of the graph's statistics inside the checkpoint) and, without ``fullgraph``, runs the
-    checkpointed blocks eager: documented in the troubleshooting page's known limitations."""
+    Every recipe compiles into one graph with ``fullgraph=True``, ``delayed`` included (its compiled records no longer
+    store anything on the host, a side effect dynamo refuses inside a checkpoint)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    fullgraph = recipe != "delayed"
     eager = _Blocks(n=3)
     lf.convert_to_fp8(eager, recipe=recipe)
     compiled = copy.deepcopy(eager)
     eager.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in eager.blocks)
     compiled.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in compiled.blocks)
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = _compile_in_scope(compiled, compiled.blocks, scope, counter, fullgraph=fullgraph)
+    compiled = _compile_in_scope(compiled, compiled.blocks, scope, counter, fullgraph=True)
     for step in range(3):
         x, g = torch.randn(8, 64) * (1 + step), torch.randn(8, 64) * 2**step
         y1, gx1, gp1 = _deferred_step(eager, x, g)
@@ -794,14 +792,7 @@ def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, state_compiled[name]), name
     assert int(state_eager["counts"][0, 0, 0]) == 3 * 8 * 64  # each input recorded once a step, not by the recomputation
-    if fullgraph:
-        assert counter.frame_count == 1
-    else:  # the limitation as documented: nothing compiled (ran eager), and fullgraph=True says why
-        assert counter.frame_count == 0
-        module = compiled._orig_mod if scope == "model" else compiled.blocks[0]._orig_mod
-        with pytest.raises(torch._dynamo.exc.Unsupported, match="lineage_untrusted"):
-            with lf.fp8_autocast(defer_amax_history_roll=True):
-                torch.compile(module, backend="aot_eager", fullgraph=True)(x)
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])

@@ -4,6 +4,7 @@ with a sibling skipped and evaluation forwards in between."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -51,9 +52,9 @@ def _compile_reload_then_eager(share, monkeypatch):
         if step == 0:
             lf.load_fp8_state_dict(m, sd0)  # rows equal again: tokens derived and trusted
             flags.append(m.q.fp8_state.table.lineage_untrusted)
-    # eager: q and k read one tensor
+    # eager: q and k read one tensor (an activation: leaves are never shared)
     for _ in range(2):
-        h = torch.randn(8, 64, generator=g)
+        h = torch.randn(8, 64, generator=g).requires_grad_() * 1
         with lf.fp8_autocast():
             yq, yk = m(h, h)
         outs += [yq.detach(), yk.detach()]
@@ -64,6 +65,48 @@ def test_compiled_record_after_reload_untrusts_tokens(monkeypatch):
     on, flags_on, s_on = _compile_reload_then_eager(True, monkeypatch)
     off, _, s_off = _compile_reload_then_eager(False, monkeypatch)
     assert not _diff(on, off), (_diff(on, off), flags_on, s_on, s_off)
+
+
+# ---------------------------------------------------------------- compiled steps (the plugins' deferred roll), then eager
+class CheckpointedPair(Pair):
+    def forward(self, a, b):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, a, b, use_reentrant=False)
+
+
+def _compiled_then_eager(share, monkeypatch, pair):
+    """Compiled training steps record different input amaxes into q's and k's rows (equal tokens before), then eager
+    steps where q and k read one activation: k may follow q's cast only if their rows are still equal, which the
+    compiled records (graph operations, not this package's host code) must have made the tokens stop claiming."""
+    monkeypatch.setattr(fp8_linear, "SHARE_INPUT_CASTS", share)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = pair()
+    lf.convert_to_fp8(m, recipe="delayed")
+    c = torch.compile(m, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    for _ in range(2):
+        a = torch.randn(8, 64, generator=g).requires_grad_()
+        b = (torch.randn(8, 64, generator=g) * 50).requires_grad_()
+        with lf.fp8_autocast(defer_amax_history_roll=True):
+            yq, yk = c(a, b)
+        (yq.float().sum() + yk.float().sum()).backward()
+        lf.roll_amax_history(m)
+    for _ in range(2):
+        h = torch.randn(8, 64, generator=g).requires_grad_() * 1
+        with lf.fp8_autocast(defer_amax_history_roll=True):
+            yq, yk = m(h, h)
+        outs += [yq.detach(), yk.detach()]
+        lf.roll_amax_history(m)
+    return outs + [m.q.fp8_state.table.scale.clone()]
+
+
+@pytest.mark.parametrize("pair", [Pair, CheckpointedPair], ids=["plain", "checkpointed"])
+def test_compiled_records_then_eager_shared_input(pair, monkeypatch):
+    on, off = _compiled_then_eager(True, monkeypatch, pair), _compiled_then_eager(False, monkeypatch, pair)
+    assert not _diff(on, off), _diff(on, off)
 
 
 # ---------------------------------------------------------------- buffer read directly, changed through .data
@@ -165,3 +208,59 @@ def test_buffer_changed_through_data_eval_delayed(monkeypatch):
     on = _buffer_data_update_eval(True, monkeypatch, "delayed")
     off = _buffer_data_update_eval(False, monkeypatch, "delayed")
     assert not _diff(on, off), _diff(on, off)
+
+
+# ---------------------------------------------------------------- what keeps and what ends the tokens' trust
+def test_lineage_trust_follows_the_pending_amax_version():
+    """The tokens stay trusted through eager records (the layers follow them), copies, pickles and moves; a record
+    they did not follow (any in-place write of the input role's pending amax: a compiled graph's) ends their trust
+    for good, and so does a copy of an untrusted table; writing rows derives them again."""
+    import copy
+    import io
+
+    m = _pair()
+    table = m.q.fp8_state.table
+    saved = lf.fp8_state_dict(m)
+    h = torch.randn(8, 64).requires_grad_() * 1
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        m(h, h)
+    lf.roll_amax_history(m)
+    assert table.lineage() is not None
+    buffer = io.BytesIO()
+    torch.save(m, buffer)  # pickles the table (pickle.dumps cannot: torch pickles no float8 tensor, cached casts)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(m), torch.load(buffer, weights_only=False), copy.deepcopy(m).to("meta")):
+        assert twin.q.fp8_state.table.lineage() == table.lineage()
+    with torch.no_grad():
+        table.role_amax_pending[INPUT][0] += 1.0  # as a compiled graph's write-back does: the version moves
+    assert table.lineage() is None and table.lineage_untrusted
+    assert copy.deepcopy(m).q.fp8_state.table.lineage() is None
+    lf.load_fp8_state_dict(m, saved)
+    assert table.lineage() is not None
+
+
+def test_history_scale_follows_the_scales_of_rolls_and_loads():
+    """The history-scaled casts read ``history_scale``: the scales as the last roll or load left them (a cast's own
+    write of ``scale`` does not move it), also in a table pickled before it existed."""
+    from lightning_fp8.state import FP8StateTable
+
+    m = _pair()
+    table = m.q.fp8_state.table
+    for step in range(3):
+        x = torch.randn(8, 64).requires_grad_() * (1 + step)
+        with lf.fp8_autocast(defer_amax_history_roll=True):
+            yq, yk = m(x * 1, x * 3)
+        (yq.float().sum() + yk.float().sum()).backward()
+        assert torch.equal(table.history_scale[table.initialized], table.scale[table.initialized])
+        before = table.history_scale.clone()
+        lf.roll_amax_history(m)
+        assert table.initialized.all() and not torch.equal(table.history_scale, before)
+        assert torch.equal(table.history_scale, table.scale)
+    fresh = _pair()
+    lf.load_fp8_state_dict(fresh, lf.fp8_state_dict(m))
+    assert torch.equal(fresh.q.fp8_state.table.history_scale, table.scale)
+    state = table.__getstate__()
+    del state["history_scale"]
+    old = FP8StateTable.__new__(FP8StateTable)
+    old.__setstate__(state)
+    assert torch.equal(old.history_scale, table.scale)
