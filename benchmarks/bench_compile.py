@@ -77,7 +77,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_llama
 import harness
-from bench_llama import SIZES, Size, Variant, build_variant, make_stack, make_step
+from bench_llama import SIZES, Size, Variant, build_variant, compile_in_scope, make_stack, make_step
 
 logging.getLogger("torchao").setLevel(logging.ERROR)  # torchao warns about its CUDA-only extensions on import
 
@@ -103,13 +103,8 @@ def stack_size(width: str, depth: int) -> Size:
 
 def compile_scope(variant: Variant, scope: str, backend: str) -> Variant:
     """``variant`` compiled as ``scope`` says: the whole stack (``model``), or each block in its place (``blocks``)."""
-    if scope == "model":
-        variant.module = torch.compile(variant.model, backend=backend)
-    elif scope == "blocks":
-        for i, block in enumerate(variant.model):
-            variant.model[i] = torch.compile(block, backend=backend)
-    else:
-        raise ValueError(scope)
+    variant.module = compile_in_scope(variant.model, scope, backend)
+    variant.scope = scope
     variant.key = f"{variant.kind}+{scope}"
     return variant
 

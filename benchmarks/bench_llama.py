@@ -22,8 +22,9 @@ Variants, all in one process on the same weights (the model copies share the Par
 * ``ours-<recipe>`` for every recipe of ``lightning_fp8.recipe.RECIPES``: ``convert_to_fp8`` and, around the
   forward, bf16 autocast plus ``fp8_autocast(defer_amax_history_roll=True)``; ``roll_amax_history`` once per step
   after the optimizer step, as the precision plugin does;
-* each of them again under ``torch.compile`` (inductor by default; the model is compiled, the loss, backward call and
-  optimizer step stay eager, as in a Lightning training step). Compiling stops once ``--compile-budget`` seconds of
+* each of them again under ``torch.compile`` (inductor by default; the model is compiled, or with
+  ``--compile-scope blocks`` each block on its own, torchtitan's way; the loss, backward call and optimizer step stay
+  eager, as in a Lightning training step). Compiling stops once ``--compile-budget`` seconds of
   compile time have been spent on one size; the variants left are reported as skipped. Before it is timed, each
   compiled variant's gradients (one step, no optimizer step) are compared with its eager twin's on the same weights
   and batch (``gradient_check``); one more than ``GRADIENT_TOLERANCE`` off, or with a parameter's gradient zero
@@ -248,13 +249,14 @@ class Variant:
     key: str  #: ``kind`` or ``kind+compile``
     kind: str
     model: nn.Module  #: the converted copy (its Parameters are the base model's)
-    module: nn.Module  #: ``model`` or ``torch.compile(model)``
+    module: nn.Module  #: ``model``, ``torch.compile(model)``, or ``model`` with each block compiled in its place
     fp8: bool  #: ours: inside ``fp8_autocast`` and rolled after each step
     device: str
+    scope: str | None = None  #: what was compiled: ``model``, ``blocks`` (see :func:`compile_in_scope`), or nothing
 
     @property
     def compiled(self) -> bool:
-        return self.module is not self.model
+        return self.scope is not None
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
@@ -269,8 +271,27 @@ class Variant:
             return self.module(x)
 
 
-def build_variant(kind: str, base: nn.Module, device: str, compile_backend: str | None) -> Variant:
-    """A copy of ``base`` whose modules are new but whose Parameters are ``base``'s, converted for ``kind``."""
+#: What ``--compile-scope`` compiles: the whole stack, or each block on its own (torchtitan's way: identical blocks
+#: share one graph, so the compile costs about one block's whatever the depth; no fusion across a block boundary).
+COMPILE_SCOPES = ("model", "blocks")
+
+
+def compile_in_scope(model: nn.Sequential, scope: str, backend: str) -> nn.Module:
+    """The module to call for ``model`` compiled as ``scope`` says: ``torch.compile(model)`` (``model``), or ``model``
+    itself with each block replaced by its compiled self (``blocks``)."""
+    if scope == "model":
+        return torch.compile(model, backend=backend)
+    if scope == "blocks":
+        for i, block in enumerate(model):
+            model[i] = torch.compile(block, backend=backend)
+        return model
+    raise ValueError(f"unknown compile scope {scope!r}; choose from {COMPILE_SCOPES}")
+
+
+def build_variant(kind: str, base: nn.Module, device: str, compile_backend: str | None,
+                  scope: str = "model") -> Variant:
+    """A copy of ``base`` whose modules are new but whose Parameters are ``base``'s, converted for ``kind`` and, with
+    ``compile_backend``, compiled as ``scope`` says (:func:`compile_in_scope`)."""
     model = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
     fp8 = False
     if kind.startswith("torchao-"):
@@ -288,8 +309,9 @@ def build_variant(kind: str, base: nn.Module, device: str, compile_backend: str 
         raise ValueError(kind)
     shared = {id(p) for p in base.parameters()}
     assert all(id(p) in shared for p in model.parameters()), f"{kind}: the conversion replaced Parameters"
-    module = torch.compile(model, backend=compile_backend) if compile_backend else model
-    return Variant(f"{kind}+compile" if compile_backend else kind, kind, model, module, fp8, device)
+    module = compile_in_scope(model, scope, compile_backend) if compile_backend else model
+    return Variant(f"{kind}+compile" if compile_backend else kind, kind, model, module, fp8, device,
+                   scope if compile_backend else None)
 
 
 def forward_backward(variant: Variant, x: torch.Tensor) -> None:
@@ -415,7 +437,7 @@ def saved_for_backward(variant: Variant, x: torch.Tensor, x2: torch.Tensor, para
 
 def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backend: str | None, warmup: int,
                  reps: int, budget_s: float, peaks: dict[str, Any], log: Callable[[str], None] = print,
-                 compile_kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
+                 compile_kinds: tuple[str, ...] | None = None, compile_scope: str = "model") -> dict[str, Any]:
     """Every variant of ``kinds`` and, with ``compile_backend``, each of ``compile_kinds`` (default: all) compiled, on
     one size: the numbers of the JSON."""
     cuda = torch.device(device).type == "cuda"
@@ -473,7 +495,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
             log(f"{size.name}: {key} {info['status']}")
             continue
         log(f"{size.name}: compiling {key}")
-        variant = build_variant(kind, base, device, compile_backend)
+        variant = build_variant(kind, base, device, compile_backend, compile_scope)
         step = make_step(variant, x, optimizer)
         from torch._dynamo.utils import counters
 
@@ -588,9 +610,11 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
 def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", compile_backend: str | None = "inductor",
         warmup: int = 3, reps: int = 11, budget_s: float = COMPILE_BUDGET_S, peak_bf16: float | None = None,
         peak_fp8: float | None = None, log: Callable[[str], None] = print,
-        compile_kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
+        compile_kinds: tuple[str, ...] | None = None, compile_scope: str = "model") -> dict[str, Any]:
     """Measure every size; the result file's numbers (without environment and command). ``compile_kinds``: the variants
-    to compile too (default: all of ``kinds``)."""
+    to compile too (default: all of ``kinds``); ``compile_scope``: see :func:`compile_in_scope`."""
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"unknown compile scope {compile_scope!r}; choose from {COMPILE_SCOPES}")
     missing = torchao_available()
     if missing:
         kinds = tuple(k for k in kinds if not k.startswith("torchao-"))
@@ -598,7 +622,8 @@ def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", 
     out: dict[str, Any] = {
         "device": device,
         "fp8_hardware": fp8_hardware(device),
-        "config": {"kinds": list(kinds), "compile_backend": compile_backend, "warmup": warmup, "reps": reps,
+        "config": {"kinds": list(kinds), "compile_backend": compile_backend, "compile_scope": compile_scope,
+                   "warmup": warmup, "reps": reps,
                    "compile_budget_s": budget_s, "threads": torch.get_num_threads(),
                    "optimizer": "AdamW(lr=1e-5, weight_decay=0, fused=True), one over the shared parameters",
                    "autocast": "bfloat16", "recipes": list(RECIPES)},
@@ -611,7 +636,7 @@ def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", 
     try:
         for size in sizes:
             out["sizes"][size.name] = measure_size(size, kinds, device, compile_backend, warmup, reps, budget_s, peaks,
-                                                   log, compile_kinds)
+                                                   log, compile_kinds, compile_scope)
     finally:  # measure_size raises them for its compiled variants
         for name, value in limits.items():
             setattr(torch._dynamo.config, name, value)
@@ -708,7 +733,7 @@ def command_line(args: argparse.Namespace) -> str:
             parts += [flag, value]
     for flag, value, default in (("--threads", args.threads, 0), ("--warmup", args.warmup, 3), ("--reps", args.reps, 11),
                                  ("--compile-budget", args.compile_budget, COMPILE_BUDGET_S),
-                                 ("--backend", args.backend, "inductor")):
+                                 ("--backend", args.backend, "inductor"), ("--compile-scope", args.compile_scope, "model")):
         if value != default:
             parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return " ".join(parts)
@@ -733,6 +758,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile every variant without the on-disk caches of earlier runs (a new empty cache "
                              "directory), so that compile times compare like for like")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    parser.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES,
+                        help="compile the whole stack (model, default) or each block on its own (blocks, torchtitan's "
+                             "way: identical blocks share one graph, so compiling costs about one block's)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (default 3)")
     parser.add_argument("--reps", type=int, default=11, help="timed steps per variant, interleaved (default 11)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
@@ -770,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t_start:7.1f} s] {message}", file=sys.stderr, flush=True)
 
     data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend, args.warmup,
-               args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log, compile_kinds)
+               args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log, compile_kinds,
+               args.compile_scope)
     data["total_s"] = time.perf_counter() - t_start
     data["config"]["cold_compile"] = args.cold_compile
     harness.write_result(args.json, env, command_line(args), **data)

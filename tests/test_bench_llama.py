@@ -3,7 +3,9 @@ tables and the issue's targets need (no timing is asserted: speed is only report
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import os
 import shutil
 import sys
@@ -234,3 +236,32 @@ def test_cold_compile_uses_an_empty_cache_and_says_so(result, monkeypatch):
     data["config"]["cold_compile"] = True
     text = docs_tables.llama_compile(data)
     assert "every variant compiled cold" in text and "`(cached)`" not in text
+
+
+def test_blocks_compile_scope_compiles_each_block_into_one_shared_graph():
+    """``--compile-scope blocks``: each block compiled in its place (torchtitan's way), the identical blocks sharing
+    graphs (no recompilation after the warm-up), the variant checked against its eager twin and timed, the scope in
+    the result's config and on the command line."""
+    size = dataclasses.replace(bench_llama.SIZES["test"], blocks=3)
+    try:
+        data = bench_llama.run([size], ("ours-tensorwise",), device="cpu", compile_backend="eager", warmup=2, reps=1,
+                               log=lambda message: None, compile_scope="blocks")
+    finally:
+        torch._dynamo.reset()
+    assert data["config"]["compile_scope"] == "blocks"
+    compiled = data["sizes"]["test"]["variants"]["ours-tensorwise+compile"]
+    assert compiled["status"] == "measured" and "median_s" in compiled
+    assert compiled["gradient_check"]["relative_difference"] < 1e-6  # dynamo alone: the eager twin's gradients
+    # two graphs for three blocks: the first block's input is the batch, which does not require grad, the others' do
+    # (bf16's blocks compile the same two); blocks two and three share one
+    counts = (compiled["graphs"], compiled["graph_breaks"], compiled["recompiles_after_warmup"])
+    assert counts == (2, 0, 0)
+    model = bench_llama.make_stack(size, "cpu")
+    module = bench_llama.compile_in_scope(model, "blocks", "eager")
+    assert module is model and all(isinstance(block, torch._dynamo.OptimizedModule) for block in model)
+    with pytest.raises(ValueError, match="unknown compile scope"):
+        bench_llama.compile_in_scope(model, "layers", "eager")
+    args = argparse.Namespace(large=False, sizes="test", no_compile=False, cold_compile=False, kinds="", compile_kinds="", threads=0,
+                              warmup=3, reps=11, compile_budget=bench_llama.COMPILE_BUDGET_S, backend="inductor",
+                              compile_scope="blocks")
+    assert "--compile-scope blocks" in bench_llama.command_line(args)
