@@ -242,7 +242,7 @@ class FP8ShardedWeight(Tensor):
         state = getattr(module, "fp8_state", None)  # None: the layer was switched to high precision
         if spec.scale_source == "history" and state is not None:
             table, index = state.table, state.index
-            scale = torch.where(table.initialized[index, WEIGHT], table.history_scale[index, WEIGHT], scale)
+            scale = torch.where(table.forward_ready[index, WEIGHT], table.forward_scale[index, WEIGHT], scale)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every shard to the first one's rows
         if self._tensor.numel() == 0:
             data = torch.zeros((rows, *outer_size[1:]), dtype=spec.dtype, device=self.device)

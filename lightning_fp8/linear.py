@@ -49,7 +49,7 @@ from lightning_fp8 import gemm
 from lightning_fp8.distributed import TensorParallelLayout, tensor_parallel_layout
 from lightning_fp8.module import FP8Module
 from lightning_fp8.quantize import Quantized, quantize
-from lightning_fp8.recipe import E4M3, E5M2, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
+from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
 from lightning_fp8.region import ForwardDecision, decide, in_recomputation
 from lightning_fp8.state import FP8StateTable
 
@@ -91,17 +91,20 @@ class _LinearCall:
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views where the row is an int).
 
-        The flag is read from the role's column, never as a slice of the row's flags: compiled with a tensor row, the
-        backward's read of the grad_output flag would otherwise be the same operation as the forward's read of the
-        input and weight flags, AOTAutograd would merge the two, and the backward would use the flag as it was at
-        the forward, stale where a roll comes between the two (manual optimization with two optimizers, a retained
-        graph). As its own operation the read stays in the backward: the partitioner saves the table (a graph input)
-        rather than the read."""
+        The input and weight roles read the copy published at the last roll (``forward_scale``, ``forward_ready``: a
+        new tensor at each roll), so that a compiled activation checkpoint's recomputation, which reads them again in
+        the backward, sees what its forward saw even if the table rolled in between (eager replays the captured
+        scale). The grad_output role reads the table's own tensors (written in place by the roll), from its own
+        column: compiled with a tensor row, a read that is the same operation as a forward read would be merged
+        with it by AOTAutograd, and the backward would use the flag as it was at the forward, stale where a roll
+        comes between the two (manual optimization with two optimizers, a retained graph). As its own operation the
+        read stays in the backward: the partitioner saves the table (a graph input) rather than the read."""
         table = self.table
-        return (
-            table.at_row(table.history_scale.select(1, role), self.index),
-            table.at_row(table.initialized.select(1, role), self.index),
-        )
+        if role == GRAD_OUTPUT:  # read when the backward runs: a roll since the forward counts
+            scale, ready = table.history_scale, table.initialized
+        else:  # the copy the forward saw (see FP8StateTable.publish_forward_history)
+            scale, ready = table.forward_scale, table.forward_ready
+        return table.at_row(scale.select(1, role), self.index), table.at_row(ready.select(1, role), self.index)
 
     def quantize(self, x: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None = None) -> Quantized:
         if spec.scale_source == "history" and history is None:
@@ -555,7 +558,7 @@ class FP8Linear(FP8Module, nn.Linear):
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable
             # (one copy of the input and weight flags) and the scale each cast used (a new tensor already).
-            ready = table.at_row(table.initialized, index)[:2].clone()
+            ready = table.at_row(table.forward_ready, index).clone()
         qx = call.quantize_input(x2d, x_spec, decision.record_forward, decision.history_of(INPUT))
         qw = call.quantize_weight(weight, w_spec, decision.record_forward, decision.history_of(WEIGHT))
         out = _FP8LinearFn.apply(x2d, weight, qx.data, qx.scale, qw.data, qw.scale, call)

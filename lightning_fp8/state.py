@@ -20,7 +20,9 @@ tensor              shape            meaning
 ``initialized``     ``(L, 3)``       ``delayed``: the history holds a usable amax
 ``history_scale``   ``(L, 3)``       ``delayed``: the scale derived from the history at the last roll, which
                                      the casts read (not exported: ``scale`` as of the last roll or write
-                                     of rows)
+                                     of rows); the input and weight columns, and their ``initialized``
+                                     flags, are read from a copy made at each roll (``forward_scale``,
+                                     ``forward_ready``, see :meth:`FP8StateTable.publish_forward_history`)
 ``counts_epoch``    ``(L,)``         bumped whenever the row's counters restart from zero (a reader of
                                      interval statistics then takes a new baseline)
 ``amax_bins``       ``(L, 3, B)``    cumulative histogram of the slice / block amaxes of ``rowwise`` and the
@@ -120,8 +122,10 @@ class FP8StateTable:
         #: What the history-scaled casts read: ``scale`` as the last roll (or write of rows) left it, never written
         #: by a cast. Casts write ``scale`` in place (the scale they used); a compiled activation checkpoint saves
         #: the tensor it reads for its recomputation, and a cast of a later block writing that tensor would fail
-        #: autograd's version check in the backward. Written through ``.data`` (see :meth:`roll`).
+        #: autograd's version check in the backward. Written through ``.data`` (see :meth:`roll`); the backward's
+        #: grad_output casts read it (they must see a roll that came after their forward).
         self.history_scale = torch.ones(n, _N_ROLES, dtype=torch.float32, **kw)
+        self.publish_forward_history()
         self.counts_epoch = torch.zeros(n, dtype=torch.int64, **kw)
         self._fp8_max = None
         self.generation = getattr(self, "generation", 0) + 1
@@ -134,6 +138,16 @@ class FP8StateTable:
         #: compares their values).
         self.lineage_untrusted = False
         self.mark_lineage()
+
+    def publish_forward_history(self) -> None:
+        """A new copy of the input and weight roles' history scales and flags (``forward_scale``, ``forward_ready``:
+        ``(L, 2)``), which the forward's history-scaled casts read. A new tensor at each roll, never written in place:
+        a compiled graph that saved the one it read (an activation checkpoint's recomputation in the backward reads
+        the table again) keeps the values its forward cast with, as eager replays the scale its forward captured,
+        also where the table rolls between the forward and the backward (two optimizers, a retained graph)."""
+        with torch.no_grad():
+            self.forward_scale = self.history_scale[:, :GRAD_OUTPUT].clone()
+            self.forward_ready = self.initialized[:, :GRAD_OUTPUT].clone()
 
     @property
     def scale(self) -> Tensor:
@@ -179,6 +193,8 @@ class FP8StateTable:
             self.initialized,
             self.counts_epoch,
             self.history_scale,
+            self.forward_scale,
+            self.forward_ready,
         ]
 
     def follow(self, fn: Any) -> None:
@@ -200,6 +216,7 @@ class FP8StateTable:
             setattr(self, name, [t.to(target) for t in getattr(self, name)])
         for name in ("amax_history", "initialized", "counts_epoch", "history_scale"):
             setattr(self, name, getattr(self, name).to(target))
+        self.publish_forward_history()
         if trusted:  # the same values in new tensors: the tokens still hold
             self.mark_lineage()
         self._fp8_max = None
@@ -220,6 +237,8 @@ class FP8StateTable:
                 getattr(self, name).data.index_copy_(0, index, values)
             if name == "scale":
                 self.history_scale.data.index_copy_(0, index, values)
+        if name in ("scale", "initialized"):
+            self.publish_forward_history()
         if name in ("scale", "amax_pending", "amax_history", "initialized"):
             self._derive_input_lineage()
 
@@ -241,14 +260,21 @@ class FP8StateTable:
         checkpoint."""
         if self.__dict__.get("lineage_untrusted", True) or "input_lineage" not in self.__dict__:
             return None
-        if self.role_amax_pending[INPUT]._version != self.__dict__.get("_lineage_version"):
+        version = self._pending_version()
+        if version is None or version != self.__dict__.get("_lineage_version"):
             self.lineage_untrusted = True
             return None
         return self.input_lineage
 
     def mark_lineage(self) -> None:
         """The tokens follow every input cast recorded so far: remember the input role's pending amax's version."""
-        self._lineage_version = self.role_amax_pending[INPUT]._version
+        self._lineage_version = self._pending_version()
+
+    def _pending_version(self) -> int | None:
+        """The input role's pending amax's version counter; ``None`` for an inference tensor (a table made under
+        ``torch.inference_mode()``, which has none: its tokens are never trusted)."""
+        pending = self.role_amax_pending[INPUT]
+        return None if pending.is_inference() else pending._version
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or pickle keeps the tokens' trust (its tensors have version counters of their own)."""
@@ -261,6 +287,8 @@ class FP8StateTable:
         self.__dict__.update(state)
         if "history_scale" not in state and "role_scale" in state:  # pickled by an older version
             self.history_scale = self.scale.clone()
+        if "forward_scale" not in state and "role_scale" in state:
+            self.publish_forward_history()
         if "lineage_untrusted" in state and not state["lineage_untrusted"]:
             self.mark_lineage()
 
@@ -388,6 +416,7 @@ class FP8StateTable:
         torch._foreach_copy_([t.data for t in self.role_scale], list(scale.unbind(1)))
         self.history_scale.data.copy_(scale)
         self.initialized.data.logical_or_(ok)
+        self.publish_forward_history()
 
     @torch.no_grad()
     def rescale_grad_output(self, ratio: Tensor) -> None:

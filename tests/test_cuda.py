@@ -184,6 +184,36 @@ def test_inductor_dynamic_true_on_the_gpu(recipe):
         assert all(math.isfinite(e) and e < 1e-2 for e in errors), (recipe, tokens, errors)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_inductor_checkpointed_blocks_on_the_gpu(recipe):
+    """Activation-checkpointed blocks compiled one by one by inductor (torchtitan's way) under a deferred roll, on
+    CUDA: one graph for the three blocks (``fullgraph=True``), close to eager over three steps (tests/test_linear.py's
+    ``test_compiled_checkpointed_blocks_match_eager`` with Triton code)."""
+    import copy
+
+    from test_linear import _Blocks, _CheckpointedBlock, _compile_in_scope, _deferred_step
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Blocks(n=3).cuda()
+    lf.convert_to_fp8(eager, recipe=recipe, log_summary=False)
+    compiled = copy.deepcopy(eager)
+    eager.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in eager.blocks)
+    compiled.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in compiled.blocks)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = _compile_in_scope(compiled, compiled.blocks, "blocks", counter)
+    for step in range(3):
+        x = torch.randn(64, 64, device="cuda") * (1 + step)
+        g = torch.randn(64, 64, device="cuda") * 2**step
+        y1, gx1, gp1 = _deferred_step(eager, x, g)
+        y2, gx2, gp2 = _deferred_step(compiled, x, g)
+        errors = [_rel(b.float(), a.float()) for a, b in zip([y1, gx1, *gp1], [y2, gx2, *gp2])]
+        print(f"inductor checkpointed blocks {recipe} step {step}: relative differences to eager {errors}")
+        assert all(math.isfinite(e) and e < 1e-2 for e in errors), (recipe, step, errors)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("case", ["offset slice", "strided slice", "expanded", "transposed"])
 def test_stored_views_keep_their_values_under_inductor_on_the_gpu(case):
     """``lightning_fp8.recipe.stored`` of a view under inductor's Triton code (tests/test_compiled_scales.py on CUDA)."""

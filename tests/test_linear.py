@@ -763,6 +763,35 @@ class _CheckpointedBlock(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
+def _checkpointed_twins(recipe, scope, backend):
+    """Three blocks, each in an activation checkpoint, eager and compiled with its checkpoint (``scope``: the whole model
+    or block by block), same weights."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Blocks(n=3)
+    lf.convert_to_fp8(eager, recipe=recipe)
+    compiled = copy.deepcopy(eager)
+    eager.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in eager.blocks)
+    compiled.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in compiled.blocks)
+    return eager, _compile_in_scope(compiled, compiled.blocks, scope, backend, fullgraph=True)
+
+
+def _assert_steps_match(eager, compiled, growth, roll_before_backward=False):
+    """Three deferred-roll steps of inputs growing by ``growth`` a step: outputs, gradients and FP8 state bit for bit."""
+    for step in range(3):
+        x, g = torch.randn(8, 64) * growth**step, torch.randn(8, 64) * 2**step
+        y1, gx1, gp1 = _deferred_step(eager, x, g, roll_before_backward)
+        y2, gx2, gp2 = _deferred_step(compiled, x, g, roll_before_backward)
+        assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
+        assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
+    state_eager = lf.fp8_state_dict(eager)["tables"][0]
+    state_compiled = lf.fp8_state_dict(compiled)["tables"][0]
+    for name, value in state_eager.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, state_compiled[name]), name
+    return state_eager
+
+
 @pytest.mark.parametrize("scope", ["model", "blocks"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
@@ -772,27 +801,21 @@ def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
     store anything on the host, a side effect dynamo refuses inside a checkpoint)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    torch._dynamo.reset()
-    eager = _Blocks(n=3)
-    lf.convert_to_fp8(eager, recipe=recipe)
-    compiled = copy.deepcopy(eager)
-    eager.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in eager.blocks)
-    compiled.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in compiled.blocks)
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = _compile_in_scope(compiled, compiled.blocks, scope, counter, fullgraph=True)
-    for step in range(3):
-        x, g = torch.randn(8, 64) * (1 + step), torch.randn(8, 64) * 2**step
-        y1, gx1, gp1 = _deferred_step(eager, x, g)
-        y2, gx2, gp2 = _deferred_step(compiled, x, g)
-        assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
-        assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
-    state_eager = lf.fp8_state_dict(eager)["tables"][0]
-    state_compiled = lf.fp8_state_dict(compiled)["tables"][0]
-    for name, value in state_eager.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, state_compiled[name]), name
-    assert int(state_eager["counts"][0, 0, 0]) == 3 * 8 * 64  # each input recorded once a step, not by the recomputation
+    eager, compiled = _checkpointed_twins(recipe, scope, counter)
+    state = _assert_steps_match(eager, compiled, growth=2)
+    assert int(state["counts"][0, 0, 0]) == 3 * 8 * 64  # each input recorded once a step, not by the recomputation
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_compiled_checkpointed_delayed_blocks_recompute_with_the_forwards_scales(scope):
+    """A roll between the forward and the backward of compiled checkpointed ``delayed`` blocks (two optimizers, a
+    retained graph): the recomputation in the backward casts the input and weight with the scales their forward used
+    (from before the roll), as eager's replay does, and the grad_output with the rolled history; bit for bit with
+    eager. It read the rolled input and weight scales: gradients up to half off, no error."""
+    eager, compiled = _checkpointed_twins("delayed", scope, "aot_eager")
+    _assert_steps_match(eager, compiled, growth=4, roll_before_backward=True)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])

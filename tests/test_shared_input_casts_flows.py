@@ -264,3 +264,30 @@ def test_history_scale_follows_the_scales_of_rolls_and_loads():
     old = FP8StateTable.__new__(FP8StateTable)
     old.__setstate__(state)
     assert torch.equal(old.history_scale, table.scale)
+
+
+def test_tables_made_under_inference_mode():
+    """Inference tensors have no version counter: a ``delayed`` model built, converted, copied, moved or loaded under
+    ``torch.inference_mode()`` works (its tokens are never trusted: nothing to share there)."""
+    import copy
+    import io
+
+    trained = _pair()
+    buffer = io.BytesIO()
+    torch.save(trained, buffer)
+    with torch.inference_mode():
+        layer = lf.FP8Linear(64, 64, recipe="delayed")
+        m = _pair()
+        twin = copy.deepcopy(m).to("meta")
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert m.q.fp8_state.table.lineage() is None
+        x = torch.randn(8, 64)
+        for model in (m, loaded):
+            model.eval()
+            with lf.fp8_autocast():
+                yq, yk = model(x, x)
+            assert torch.isfinite(yq).all() and torch.isfinite(yk).all()
+        with lf.fp8_autocast():
+            assert torch.isfinite(layer(x)).all()
+    assert twin.q.weight.device.type == "meta"
