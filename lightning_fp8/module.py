@@ -76,7 +76,11 @@ class FP8Module(nn.Module):
 
     @property
     def fp8_initialized(self) -> Tensor:
-        """``(3,)`` view: whether each ``delayed`` history holds a usable amax."""
+        """``(3,)`` view: whether each ``delayed`` history holds a usable amax.
+
+        The forward's input and weight casts read a copy made at each roll (``FP8StateTable.forward_ready``), so a
+        write through this view reaches them at the next roll (the grad_output casts at once); to change state
+        between rolls, write rows with :func:`~lightning_fp8.load_fp8_state_dict`."""
         return self._row(self.fp8_state.table.initialized)
 
     def _apply(self, fn: Any, recurse: bool = True) -> FP8Module:
