@@ -105,6 +105,21 @@ class _CheckpointedBlock(_Block):
         return checkpoint(super().forward, x, use_reentrant=False)
 
 
+def _fp8_state_by_layer(model):
+    """The model's FP8 state by layer name, without the compiled wrappers' ``_orig_mod`` (eager and compiled twins
+    compare)."""
+    return {name.replace("._orig_mod", ""): fields for name, fields in per_layer(fp8_state_dict(model)).items()}
+
+
+def _assert_same_fp8_state(a, b):
+    """Two :func:`_fp8_state_by_layer` results equal: the same layers, every field bit for bit."""
+    assert a.keys() == b.keys()
+    for name, fields in a.items():
+        for field, value in fields.items():
+            other = b[name][field]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (name, field)
+
+
 class BlocksCompiledInConfigureModel(L.LightningModule):
     """Each block compiled on its own in ``configure_model`` (torchtitan's way, and Lightning's model-parallel
     examples'), more blocks than torch's recompile limit (8)."""
@@ -174,16 +189,11 @@ def test_checkpointed_blocks_compiled_in_configure_model_match_eager(recipe):
         with torch._dynamo.config.patch(error_on_recompile=True):
             trainer = make_trainer(FP8Precision(recipe=recipe), max_steps=3)
             trainer.fit(model, loader(seq_len=SEQ, batch_size=BATCH, n=1_000))
-        state = {name.replace("._orig_mod", ""): fields for name, fields in per_layer(fp8_state_dict(model)).items()}
-        runs.append(([p.detach().clone() for p in model.parameters()], state))
+        runs.append(([p.detach().clone() for p in model.parameters()], _fp8_state_by_layer(model)))
     assert backend.frame_count == 1 and not counters["recompiles"] and dict(counters["graph_break"]) == {}
     (params_eager, state_eager), (params_compiled, state_compiled) = runs
     assert all(torch.equal(a, b) for a, b in zip(params_eager, params_compiled))
-    assert state_eager.keys() == state_compiled.keys()
-    for name, fields in state_eager.items():
-        for field, value in fields.items():
-            other = state_compiled[name][field]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (name, field)
+    _assert_same_fp8_state(state_eager, state_compiled)
     # each input recorded once a step (not again by the recomputation)
     assert int(model.blocks[0].up.fp8_counts[0, 0]) == 3 * BATCH * SEQ * DIM
 
@@ -243,14 +253,9 @@ def test_compiled_blocks_roll_between_forward_and_backward_match_eager(checkpoin
         torch._dynamo.reset()
         model = CompiledGAN(backend, checkpoint)
         make_trainer(FP8Precision(recipe="delayed"), max_steps=4).fit(model, torch.utils.data.DataLoader(data, batch_size=4))
-        state = per_layer(fp8_state_dict(model))  # by layer name, without the compiled wrappers' _orig_mod
-        runs.append((model.g_grads, {name.replace("._orig_mod", ""): fields for name, fields in state.items()}))
+        runs.append((model.g_grads, _fp8_state_by_layer(model)))
     (grads_eager, state_eager), (grads_compiled, state_compiled) = runs
     assert len(grads_eager) == len(grads_compiled) == 2
     for step, (a, b) in enumerate(zip(grads_eager, grads_compiled)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"generator gradients differ at step {step}"
-    assert state_eager.keys() == state_compiled.keys()
-    for name, fields in state_eager.items():
-        for field, value in fields.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, state_compiled[name][field]), f"{name}: {field}"
+    _assert_same_fp8_state(state_eager, state_compiled)

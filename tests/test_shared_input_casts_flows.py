@@ -260,10 +260,12 @@ def test_history_scale_follows_the_scales_of_rolls_and_loads():
     lf.load_fp8_state_dict(fresh, lf.fp8_state_dict(m))
     assert torch.equal(fresh.q.fp8_state.table.history_scale, table.scale)
     state = table.__getstate__()
-    del state["history_scale"]
+    for name in ("history_scale", "forward_scale", "forward_ready"):
+        del state[name]
     old = FP8StateTable.__new__(FP8StateTable)
     old.__setstate__(state)
     assert torch.equal(old.history_scale, table.scale)
+    assert torch.equal(old.forward_scale, table.scale[:, :2]) and torch.equal(old.forward_ready, table.initialized[:, :2])
 
 
 def test_tables_made_under_inference_mode():
