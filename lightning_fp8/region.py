@@ -12,7 +12,11 @@ during the backward, replays the decision of the layer's original forward instea
 
 Amax histories roll once per step, never per cast: under the precision plugin
 (``defer_amax_history_roll=True``) once per optimizer step; used on its own, when the outermost region
-exits, for the state tables of the layers that ran inside it. Gradients recorded after the exit (the
+exits, for the state tables of the layers that ran inside it. Eager layers note their table in the region;
+compiled code cannot (a host-side store in a graph is a side effect, which dynamo refuses inside an activation
+checkpoint), so the region also rolls every table whose forward record version
+(:meth:`~lightning_fp8.state.FP8StateTable.forward_record_version`) moved while it was open: any thread's
+records count there, a compiled graph's included. Gradients recorded after the exit (the
 backward usually runs outside the region) roll at the next exit, so the gradient scale of step ``k``
 comes from the gradients of the steps before ``k``, as the input and weight scales do.
 """
@@ -27,6 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_fp8.state import forward_record_versions, tables_recorded_since
+
 
 @dataclass
 class FP8Region:
@@ -36,7 +42,8 @@ class FP8Region:
     defer_amax_history_roll: bool
     #: layers in eval mode compute in FP8 too (the plugin's ``fp8_eval``)
     fp8_eval: bool = True
-    #: state tables of the layers that ran inside (outermost, non-deferred regions only; rolled on exit)
+    #: state tables of the eager layers that ran inside (outermost, non-deferred regions only; rolled on exit with
+    #: those a compiled graph recorded into)
     tables: list[Any] = field(default_factory=list)
 
 
@@ -62,13 +69,19 @@ def fp8_region(enabled: bool = True, *, defer_amax_history_roll: bool = False, f
     # An inner region never rolls: the outermost one (or the plugin that deferred) does.
     defer = bool(defer_amax_history_roll) or outer is not None
     region = FP8Region(enabled=bool(enabled), defer_amax_history_roll=defer, fp8_eval=bool(fp8_eval))
+    # compiled layers record without noting their table in the region: found by their version counters on exit
+    versions = forward_record_versions() if not defer else []
     _REGIONS.stack.append(region)
     try:
         yield
     finally:
         _REGIONS.stack.pop()
         if not defer:
-            for table in region.tables:
+            tables = region.tables
+            for table in tables_recorded_since(versions):
+                if all(t is not table for t in tables):
+                    tables.append(table)
+            for table in tables:
                 table.roll()
 
 
@@ -151,14 +164,16 @@ def in_inference_mode() -> bool:
 def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
     """The decision of a layer's forward (not a recomputation), from the region of this thread.
 
-    In training mode, registers ``table`` with the outermost region so that a standalone region rolls it on exit.
+    In training mode and eager, registers ``table`` with the outermost region so that a standalone region rolls it on
+    exit (compiled, the region finds it from its version counter).
     """
     region = current_region()
     if region is None or not region.enabled or not (region.fp8_eval or module.training):
         return ForwardDecision(enabled=False)
     record = module.training and not in_inference_mode()
     outermost = _REGIONS.stack[0]
-    if record and not outermost.defer_amax_history_roll:  # evaluation never moves the state, not even a roll
+    # evaluation never moves the state, not even a roll; a compiled graph's records are found on exit (see fp8_region)
+    if record and not outermost.defer_amax_history_roll and not torch.compiler.is_compiling():
         if all(t is not table for t in outermost.tables):  # a long region stays small: one entry per table
             outermost.tables.append(table)
     return ForwardDecision(

@@ -50,6 +50,7 @@ a plain, device-resident, checkpoint-safe record of every cast with per-step cos
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -70,6 +71,10 @@ STATE_FIELDS: tuple[str, ...] = (
 STATE_FORMAT_VERSION = 2
 
 _N_ROLES = len(ROLES)
+
+#: Every live table, so that a standalone region can find the tables that compiled code recorded into (see
+#: :func:`recorded_since`).
+_LIVE_TABLES: weakref.WeakSet[FP8StateTable] = weakref.WeakSet()
 
 
 #: The state that the casts of one role write on the step path; each role's part is a tensor of its own.
@@ -107,6 +112,7 @@ class FP8StateTable:
         #: rows, each move. An FP8 weight cast under one generation of an unchanged weight can be reused.
         self.generation = 0
         self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))
+        _LIVE_TABLES.add(self)
 
     # ------------------------------------------------------------------ storage
     def _allocate(self, num_layers: int, device: torch.device) -> None:
@@ -276,6 +282,13 @@ class FP8StateTable:
         pending = self.role_amax_pending[INPUT]
         return None if pending.is_inference() else pending._version
 
+    def forward_record_version(self) -> int | None:
+        """A value that changes whenever a forward records into this table, whoever records (eager code or a compiled
+        graph): the input role's pending amax's version counter (every training-mode forward of a layer records its
+        input cast; the roll and the writes of rows go through ``.data`` and leave it alone). ``None`` for a table made
+        under ``torch.inference_mode()``, which cannot tell."""
+        return self._pending_version()
+
     def __getstate__(self) -> dict[str, Any]:
         """A copy or pickle keeps the tokens' trust (its tensors have version counters of their own)."""
         state = self.__dict__.copy()
@@ -285,6 +298,7 @@ class FP8StateTable:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        _LIVE_TABLES.add(self)
         if "history_scale" not in state and "role_scale" in state:  # pickled by an older version
             self.history_scale = self.scale.clone()
         if "forward_scale" not in state and "role_scale" in state:
@@ -552,6 +566,23 @@ def bind_state_tables(model: nn.Module) -> list[FP8StateTable]:
             module.fp8_state = FP8StateRef(table, row)
         tables.append(table)
     return tables
+
+
+def forward_record_versions() -> list[tuple[FP8StateTable, int | None]]:
+    """Every live table with its :meth:`~FP8StateTable.forward_record_version`: taken when a standalone region is
+    entered, it tells at the exit which tables a forward recorded into (:func:`tables_recorded_since`)."""
+    return [(table, table.forward_record_version()) for table in list(_LIVE_TABLES)]
+
+
+def tables_recorded_since(versions: list[tuple[FP8StateTable, int | None]]) -> list[FP8StateTable]:
+    """The tables of ``versions`` (from :func:`forward_record_versions`) that a forward recorded into since, and those
+    that cannot tell (made under ``torch.inference_mode()``: rolling a table with nothing pending leaves its history
+    as it is)."""
+    recorded = []
+    for table, version in versions:
+        if version is None or table.forward_record_version() != version:
+            recorded.append(table)
+    return recorded
 
 
 @torch.no_grad()

@@ -818,18 +818,74 @@ def test_compiled_checkpointed_delayed_blocks_recompute_with_the_forwards_scales
     _assert_steps_match(eager, compiled, growth=4, roll_before_backward=True)
 
 
+def _standalone_step(model, x, g):
+    """One step in a standalone ``fp8_autocast()`` (it rolls on exit, between the forward and the backward):
+    ``(output, input grad, parameter grads)``."""
+    xx = x.clone().requires_grad_()
+    with lf.fp8_autocast():
+        y = model(xx)
+    y.backward(g)
+    out = (y.detach(), xx.grad, [p.grad for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("scope", ["model", "blocks"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_standalone_region_cannot_compile_a_checkpoint(recipe):
-    """As the troubleshooting page says: inside a standalone ``fp8_autocast()`` (which notes on the host which layers
-    ran, to roll them on exit) dynamo refuses a compiled activation checkpoint (without ``fullgraph`` it runs eager)."""
+def test_standalone_region_compiles_checkpointed_blocks(recipe, scope):
+    """Checkpointed blocks compiled with their checkpoint (whole model or block by block) inside a standalone
+    ``fp8_autocast()``: one graph per frame with ``fullgraph=True``, bit for bit with the eager twin over three steps,
+    FP8 state included (each table rolled once per region, on exit). The region used to note on the host which layers
+    ran, a side effect dynamo refuses inside a checkpoint (``Unsafe side effect``; without ``fullgraph`` the blocks
+    ran eager); it now finds the tables that recorded from their version counters."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    eager, compiled = _checkpointed_twins(recipe, scope, counter)
+    for step in range(3):
+        x, g = torch.randn(8, 64) * 4**step, torch.randn(8, 64) * 2**step
+        y1, gx1, gp1 = _standalone_step(eager, x, g)
+        y2, gx2, gp2 = _standalone_step(compiled, x, g)
+        assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
+        assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
+    state_eager = lf.fp8_state_dict(eager)["tables"][0]
+    state_compiled = lf.fp8_state_dict(compiled)["tables"][0]
+    for name, value in state_eager.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, state_compiled[name]), name
+    assert int(state_eager["counts"][0, 0, 0]) == 3 * 8 * 64  # each input recorded once a step
+    history = state_eager["amax_history"][0, 0]  # one roll a step: three input amaxes, the latest first
+    assert bool((history[:3] > 0).all()) and bool((history[3:] == 0).all())
+    assert counter.frame_count == (1 if scope == "model" else 3)  # standalone: each block's row is a constant
+
+
+def test_standalone_region_rolls_the_tables_that_recorded_inside_it_once():
+    """A standalone region rolls, on exit and once, each table that a training forward recorded into while it was
+    open, eager or compiled (found from the table's version counter), and no other: not a model that did not run, not
+    a compiled model in eval mode (it records nothing)."""
     torch._dynamo.reset()
-    model = _Blocks(n=1)
-    lf.convert_to_fp8(model, recipe=recipe)
-    model.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in model.blocks)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="Unsafe side effect"):
-        with lf.fp8_autocast():
-            compiled(torch.randn(8, 64, requires_grad=True))
+    ran, idle = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    for model in (ran, idle):
+        lf.convert_to_fp8(model, recipe="delayed")
+    compiled = torch.compile(ran, backend="aot_eager", fullgraph=True)
+    table, other = ran[0].fp8_state.table, idle[0].fp8_state.table
+    generations = table.generation, other.generation
+    with lf.fp8_autocast():
+        compiled(torch.randn(4, 32))
+        compiled(torch.randn(4, 32))  # two forwards, one roll
+    assert (table.generation, other.generation) == (generations[0] + 1, generations[1])
+    history = table.amax_history[0, 0]
+    assert bool(history[0] > 0) and bool((history[1:] == 0).all())
+    ran.eval()
+    with lf.fp8_autocast():
+        compiled(torch.randn(4, 32))
+    assert table.generation == generations[0] + 1  # an evaluation forward records nothing: no roll
+    ran.train()
+    with lf.fp8_autocast():
+        with lf.fp8_autocast():  # an inner region never rolls; the outermost rolls once
+            idle(torch.randn(4, 32))
+            compiled(torch.randn(4, 32))
+    assert (table.generation, other.generation) == (generations[0] + 2, generations[1] + 1)
 
 
 def test_state_is_fresh_after_to_empty_from_meta():
