@@ -14,9 +14,10 @@ Amax histories roll once per step, never per cast: under the precision plugin
 (``defer_amax_history_roll=True``) once per optimizer step; used on its own, when the outermost region
 exits, for the state tables of the layers that ran inside it. Eager layers note their table in the region;
 compiled code cannot (a host-side store in a graph is a side effect, which dynamo refuses inside an activation
-checkpoint), so the region also rolls every table whose forward record version
-(:meth:`~lightning_fp8.state.FP8StateTable.forward_record_version`) moved while it was open: any thread's
-records count there, a compiled graph's included. Gradients recorded after the exit (the
+checkpoint): it writes the table's compiled forward mark in place instead
+(:meth:`~lightning_fp8.state.FP8StateTable.mark_compiled_forward`), and the region also rolls every table whose
+mark's version moved while it was open (compiled layers of another thread's standalone region count there too).
+Gradients recorded after the exit (the
 backward usually runs outside the region) roll at the next exit, so the gradient scale of step ``k``
 comes from the gradients of the steps before ``k``, as the input and weight scales do.
 """
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_fp8.state import forward_record_versions, tables_recorded_since
+from lightning_fp8.state import compiled_forward_marks, tables_marked_since
 
 
 @dataclass
@@ -43,7 +44,7 @@ class FP8Region:
     #: layers in eval mode compute in FP8 too (the plugin's ``fp8_eval``)
     fp8_eval: bool = True
     #: state tables of the eager layers that ran inside (outermost, non-deferred regions only; rolled on exit with
-    #: those a compiled graph recorded into)
+    #: those that compiled layers marked)
     tables: list[Any] = field(default_factory=list)
 
 
@@ -69,20 +70,24 @@ def fp8_region(enabled: bool = True, *, defer_amax_history_roll: bool = False, f
     # An inner region never rolls: the outermost one (or the plugin that deferred) does.
     defer = bool(defer_amax_history_roll) or outer is not None
     region = FP8Region(enabled=bool(enabled), defer_amax_history_roll=defer, fp8_eval=bool(fp8_eval))
-    # compiled layers record without noting their table in the region: found by their version counters on exit
-    versions = forward_record_versions() if not defer else []
+    # compiled layers do not note their table in the region: they mark it, and the region finds the marks on exit
+    marks = compiled_forward_marks() if not defer else None
     _REGIONS.stack.append(region)
     try:
         yield
     finally:
         _REGIONS.stack.pop()
-        if not defer:
+        if marks is not None:
             tables = region.tables
-            for table in tables_recorded_since(versions):
+            for table in tables_marked_since(marks):
                 if all(t is not table for t in tables):
                     tables.append(table)
             for table in tables:
-                table.roll()
+                # under inference_mode (a compiled graph records there: it follows module.training alone) the roll's
+                # new forward scales must not become inference tensors, which a later compiled checkpoint would save
+                normal = not table.amax_history.is_inference()
+                with torch.inference_mode(False) if normal else contextlib.nullcontext():
+                    table.roll()
 
 
 def fp8_autocast(enabled: bool = True, *, defer_amax_history_roll: bool = False) -> contextlib.AbstractContextManager:
@@ -164,17 +169,18 @@ def in_inference_mode() -> bool:
 def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
     """The decision of a layer's forward (not a recomputation), from the region of this thread.
 
-    In training mode and eager, registers ``table`` with the outermost region so that a standalone region rolls it on
-    exit (compiled, the region finds it from its version counter).
+    In training mode, registers ``table`` with the outermost region so that a standalone region rolls it on exit
+    (compiled: marks the table, see :meth:`~lightning_fp8.state.FP8StateTable.mark_compiled_forward`).
     """
     region = current_region()
     if region is None or not region.enabled or not (region.fp8_eval or module.training):
         return ForwardDecision(enabled=False)
     record = module.training and not in_inference_mode()
     outermost = _REGIONS.stack[0]
-    # evaluation never moves the state, not even a roll; a compiled graph's records are found on exit (see fp8_region)
-    if record and not outermost.defer_amax_history_roll and not torch.compiler.is_compiling():
-        if all(t is not table for t in outermost.tables):  # a long region stays small: one entry per table
+    if record and not outermost.defer_amax_history_roll:  # evaluation never moves the state, not even a roll
+        if torch.compiler.is_compiling():  # no host-side store in a graph: the region finds the mark on exit
+            table.mark_compiled_forward()
+        elif all(t is not table for t in outermost.tables):  # a long region stays small: one entry per table
             outermost.tables.append(table)
     return ForwardDecision(
         enabled=True, record_forward=record, record_backward=record, keep_weight_cast=outermost.defer_amax_history_roll

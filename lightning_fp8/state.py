@@ -72,8 +72,8 @@ STATE_FORMAT_VERSION = 2
 
 _N_ROLES = len(ROLES)
 
-#: Every live table, so that a standalone region can find the tables that compiled code recorded into (see
-#: :func:`recorded_since`).
+#: Every live table, so that a standalone region can find the tables that its compiled layers ran with (see
+#: ``compiled_forward_marks``).
 _LIVE_TABLES: weakref.WeakSet[FP8StateTable] = weakref.WeakSet()
 
 
@@ -133,6 +133,7 @@ class FP8StateTable:
         self.history_scale = torch.ones(n, _N_ROLES, dtype=torch.float32, **kw)
         self.publish_forward_history()
         self.counts_epoch = torch.zeros(n, dtype=torch.int64, **kw)
+        self._new_compiled_forward_mark()
         self._fp8_max = None
         self.generation = getattr(self, "generation", 0) + 1
         #: Host tokens, one per row: rows with equal tokens have equal input-role state (history, pending amax,
@@ -144,6 +145,20 @@ class FP8StateTable:
         #: compares their values).
         self.lineage_untrusted = False
         self.mark_lineage()
+
+    def _new_compiled_forward_mark(self) -> None:
+        #: Bumped in place by every compiled training forward of the table's layers inside a standalone region (see
+        #: :meth:`mark_compiled_forward`); only its version counter is read.
+        self.compiled_forward_mark = torch.zeros((), dtype=torch.int64, device=self.amax_history.device)
+
+    def mark_compiled_forward(self) -> None:
+        """A compiled training forward of one of the table's layers ran inside a standalone region: the region must roll
+        the table on exit. Compiled code cannot note the table in the region (a host-side store in a graph is a side
+        effect, which dynamo refuses inside an activation checkpoint); it writes this tensor in place instead, which
+        bumps its version counter when the graph runs (AOTAutograd writes a graph's mutations back), and the region
+        compares versions on exit (``compiled_forward_marks`` and ``tables_marked_since`` in this module). Eager layers
+        note their table in the region itself, exactly, per thread."""
+        self.compiled_forward_mark.add_(1)
 
     def publish_forward_history(self) -> None:
         """A new copy of the input and weight roles' history scales and flags (``forward_scale``, ``forward_ready``:
@@ -201,6 +216,7 @@ class FP8StateTable:
             self.history_scale,
             self.forward_scale,
             self.forward_ready,
+            self.compiled_forward_mark,
         ]
 
     def follow(self, fn: Any) -> None:
@@ -222,6 +238,7 @@ class FP8StateTable:
             setattr(self, name, [t.to(target) for t in getattr(self, name)])
         for name in ("amax_history", "initialized", "counts_epoch", "history_scale"):
             setattr(self, name, getattr(self, name).to(target))
+        self._new_compiled_forward_mark()
         self.publish_forward_history()
         if trusted:  # the same values in new tensors: the tokens still hold
             self.mark_lineage()
@@ -282,13 +299,6 @@ class FP8StateTable:
         pending = self.role_amax_pending[INPUT]
         return None if pending.is_inference() else pending._version
 
-    def forward_record_version(self) -> int | None:
-        """A value that changes whenever a forward records into this table, whoever records (eager code or a compiled
-        graph): the input role's pending amax's version counter (every training-mode forward of a layer records its
-        input cast; the roll and the writes of rows go through ``.data`` and leave it alone). ``None`` for a table made
-        under ``torch.inference_mode()``, which cannot tell."""
-        return self._pending_version()
-
     def __getstate__(self) -> dict[str, Any]:
         """A copy or pickle keeps the tokens' trust (its tensors have version counters of their own)."""
         state = self.__dict__.copy()
@@ -303,6 +313,8 @@ class FP8StateTable:
             self.history_scale = self.scale.clone()
         if "forward_scale" not in state and "role_scale" in state:
             self.publish_forward_history()
+        if "compiled_forward_mark" not in state and "amax_history" in state:
+            self._new_compiled_forward_mark()
         if "lineage_untrusted" in state and not state["lineage_untrusted"]:
             self.mark_lineage()
 
@@ -568,21 +580,40 @@ def bind_state_tables(model: nn.Module) -> list[FP8StateTable]:
     return tables
 
 
-def forward_record_versions() -> list[tuple[FP8StateTable, int | None]]:
-    """Every live table with its :meth:`~FP8StateTable.forward_record_version`: taken when a standalone region is
-    entered, it tells at the exit which tables a forward recorded into (:func:`tables_recorded_since`)."""
-    return [(table, table.forward_record_version()) for table in list(_LIVE_TABLES)]
+def _mark_version(table: FP8StateTable) -> tuple[Tensor, int] | None:
+    mark = table.__dict__.get("compiled_forward_mark")
+    if mark is None or mark.is_inference():  # an inference tensor has no version counter (and no compiled
+        return None  # training forward can write it outside inference mode)
+    return mark, mark._version
 
 
-def tables_recorded_since(versions: list[tuple[FP8StateTable, int | None]]) -> list[FP8StateTable]:
-    """The tables of ``versions`` (from :func:`forward_record_versions`) that a forward recorded into since, and those
-    that cannot tell (made under ``torch.inference_mode()``: rolling a table with nothing pending leaves its history
-    as it is)."""
-    recorded = []
-    for table, version in versions:
-        if version is None or table.forward_record_version() != version:
-            recorded.append(table)
-    return recorded
+def compiled_forward_marks() -> weakref.WeakKeyDictionary[FP8StateTable, tuple[Tensor, int]]:
+    """Every live table's compiled forward mark (:meth:`FP8StateTable.mark_compiled_forward`) and its version: taken
+    when a standalone region is entered, it tells at the exit which tables its compiled layers ran with
+    (:func:`tables_marked_since`). Holds the tables weakly."""
+    marks: weakref.WeakKeyDictionary[FP8StateTable, tuple[Tensor, int]] = weakref.WeakKeyDictionary()
+    for table in list(_LIVE_TABLES):
+        mark = _mark_version(table)
+        if mark is not None:
+            marks[table] = mark
+    return marks
+
+
+def tables_marked_since(marks: weakref.WeakKeyDictionary[FP8StateTable, tuple[Tensor, int]]) -> list[FP8StateTable]:
+    """The live tables whose compiled forward mark was written since ``marks`` (:func:`compiled_forward_marks`) were
+    taken, tables made since then (a copy made inside the region) and marks replaced since (a move) included."""
+    marked = []
+    for table in list(_LIVE_TABLES):
+        now = _mark_version(table)
+        if now is None:
+            continue
+        then = marks.get(table)
+        if then is None or then[0] is not now[0]:  # a new table or a new mark tensor: written at all since
+            if now[1] > 0:
+                marked.append(table)
+        elif now[1] != then[1]:
+            marked.append(table)
+    return marked
 
 
 @torch.no_grad()
