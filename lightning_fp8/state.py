@@ -580,38 +580,33 @@ def bind_state_tables(model: nn.Module) -> list[FP8StateTable]:
     return tables
 
 
-def _mark_version(table: FP8StateTable) -> tuple[Tensor, int] | None:
-    mark = table.__dict__.get("compiled_forward_mark")
-    if mark is None or mark.is_inference():  # an inference tensor has no version counter (and no compiled
-        return None  # training forward can write it outside inference mode)
-    return mark, mark._version
-
-
-def compiled_forward_marks() -> weakref.WeakKeyDictionary[FP8StateTable, tuple[Tensor, int]]:
-    """Every live table's compiled forward mark (:meth:`FP8StateTable.mark_compiled_forward`) and its version: taken
-    when a standalone region is entered, it tells at the exit which tables its compiled layers ran with
-    (:func:`tables_marked_since`). Holds the tables weakly."""
-    marks: weakref.WeakKeyDictionary[FP8StateTable, tuple[Tensor, int]] = weakref.WeakKeyDictionary()
+def compiled_forward_marks() -> dict[int, tuple[Tensor, int]]:
+    """Every live table's compiled forward mark (:meth:`FP8StateTable.mark_compiled_forward`) and its version, by the
+    table's ``id``: taken when a standalone region is entered, it tells at the exit which tables its compiled layers
+    ran with (:func:`tables_marked_since`). Holds the mark tensors, not the tables. Tables made under
+    ``torch.inference_mode()`` are left out: an inference tensor has no version counter, and no compiled training
+    forward can write one outside inference mode."""
+    marks = {}
     for table in list(_LIVE_TABLES):
-        mark = _mark_version(table)
-        if mark is not None:
-            marks[table] = mark
+        mark = table.__dict__.get("compiled_forward_mark")
+        if mark is not None and not mark.is_inference():
+            marks[id(table)] = (mark, mark._version)
     return marks
 
 
-def tables_marked_since(marks: weakref.WeakKeyDictionary[FP8StateTable, tuple[Tensor, int]]) -> list[FP8StateTable]:
+def tables_marked_since(marks: dict[int, tuple[Tensor, int]]) -> list[FP8StateTable]:
     """The live tables whose compiled forward mark was written since ``marks`` (:func:`compiled_forward_marks`) were
     taken, tables made since then (a copy made inside the region) and marks replaced since (a move) included."""
     marked = []
     for table in list(_LIVE_TABLES):
-        now = _mark_version(table)
-        if now is None:
+        mark = table.__dict__.get("compiled_forward_mark")
+        if mark is None or mark.is_inference():
             continue
-        then = marks.get(table)
-        if then is None or then[0] is not now[0]:  # a new table or a new mark tensor: written at all since
-            if now[1] > 0:
+        then = marks.get(id(table))
+        if then is None or then[0] is not mark:  # a new table or a new mark tensor: written at all since?
+            if mark._version > 0:
                 marked.append(table)
-        elif now[1] != then[1]:
+        elif mark._version != then[1]:
             marked.append(table)
     return marked
 
