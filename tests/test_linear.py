@@ -793,12 +793,17 @@ def _checkpointed_twins(recipe, scope, backend):
     return eager, _compile_in_scope(compiled, compiled.blocks, scope, backend, fullgraph=True)
 
 
-def _assert_steps_match(eager, compiled, growth, roll_before_backward=False):
-    """Three deferred-roll steps of inputs growing by ``growth`` a step: outputs, gradients and FP8 state bit for bit."""
+def _assert_steps_match(eager, compiled, growth, roll_before_backward=False, run_step=None):
+    """Three steps (deferred-roll ones, or ``run_step(model, x, g)``) of inputs growing by ``growth`` a step: outputs,
+    gradients and FP8 state bit for bit."""
+    if run_step is None:
+        def run_step(model, x, g):
+            return _deferred_step(model, x, g, roll_before_backward)
+
     for step in range(3):
         x, g = torch.randn(8, 64) * growth**step, torch.randn(8, 64) * 2**step
-        y1, gx1, gp1 = _deferred_step(eager, x, g, roll_before_backward)
-        y2, gx2, gp2 = _deferred_step(compiled, x, g, roll_before_backward)
+        y1, gx1, gp1 = run_step(eager, x, g)
+        y2, gx2, gp2 = run_step(compiled, x, g)
         assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
         assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
     state_eager = lf.fp8_state_dict(eager)["tables"][0]
@@ -854,22 +859,12 @@ def test_standalone_region_compiles_checkpointed_blocks(recipe, scope):
     ``fp8_autocast()``: one graph per frame with ``fullgraph=True``, bit for bit with the eager twin over three steps,
     FP8 state included (each table rolled once per region, on exit). The region used to note on the host which layers
     ran, a side effect dynamo refuses inside a checkpoint (``Unsafe side effect``; without ``fullgraph`` the blocks
-    ran eager); it now finds the tables that recorded from their version counters."""
+    ran eager); compiled layers now mark their table instead (``FP8StateTable.mark_compiled_forward``)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
     eager, compiled = _checkpointed_twins(recipe, scope, counter)
-    for step in range(3):
-        x, g = torch.randn(8, 64) * 4**step, torch.randn(8, 64) * 2**step
-        y1, gx1, gp1 = _standalone_step(eager, x, g)
-        y2, gx2, gp2 = _standalone_step(compiled, x, g)
-        assert torch.equal(y1, y2) and torch.equal(gx1, gx2), step
-        assert all(torch.equal(a, b) for a, b in zip(gp1, gp2)), step
-    state_eager = lf.fp8_state_dict(eager)["tables"][0]
-    state_compiled = lf.fp8_state_dict(compiled)["tables"][0]
-    for name, value in state_eager.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, state_compiled[name]), name
+    state_eager = _assert_steps_match(eager, compiled, growth=4, run_step=_standalone_step)
     assert int(state_eager["counts"][0, 0, 0]) == 3 * 8 * 64  # each input recorded once a step
     history = state_eager["amax_history"][0, 0]  # one roll a step: three input amaxes, the latest first
     assert bool((history[:3] > 0).all()) and bool((history[3:] == 0).all())
