@@ -732,8 +732,9 @@ def test_retained_graph_second_backward_after_a_cached_donated_backward():
     AOTAutograd's own cache would raise there ("compiled with non-empty donated buffers"), but it refuses graphs that
     hold a traced autograd.Function (``autograd_function_apply``), as ours do. Pure torch does the same with that
     cache off (seen here, 3x off). The first half is a canary: if it starts to pass, torch fixed it and the limitation
-    can go. With ``torch._inductor.config.allow_buffer_reuse = False`` (part of the cache key) both backwards match
-    eager."""
+    can go. With ``torch._inductor.config.fx_graph_cache = False`` every compile is fresh: the backward is compiled at
+    its first run, which retains the graph, so without donated buffers, and both backwards match eager. (Not
+    ``allow_buffer_reuse = False``: a donated backward compiled under it reuses saved activations too, seen here.)"""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(32, 32), nn.GELU())
@@ -761,7 +762,7 @@ def test_retained_graph_second_backward_after_a_cached_donated_backward():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert max(float((b - a).abs().max() / a.abs().max()) for a, b in zip(second_eager, second)) > 0.05
     torch._dynamo.reset()
-    with torch._inductor.config.patch(allow_buffer_reuse=False):
+    with torch._inductor.config.patch(fx_graph_cache=False):
         compiled = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
         first, second = backwards(compiled, twice=True)
     for a, b, c, d in zip(first_eager, first, second_eager, second):
