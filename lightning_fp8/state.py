@@ -50,6 +50,7 @@ a plain, device-resident, checkpoint-safe record of every cast with per-step cos
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -75,6 +76,18 @@ _N_ROLES = len(ROLES)
 #: Every live table, so that a standalone region can find the tables that its compiled layers ran with (see
 #: ``compiled_forward_marks``).
 _LIVE_TABLES: weakref.WeakSet[FP8StateTable] = weakref.WeakSet()
+#: Guards additions to ``_LIVE_TABLES`` against a look at it from another thread ("Set changed size during iteration").
+_LIVE_TABLES_LOCK = threading.Lock()
+
+
+def _register(table: FP8StateTable) -> None:
+    with _LIVE_TABLES_LOCK:
+        _LIVE_TABLES.add(table)
+
+
+def _live_tables() -> list[FP8StateTable]:
+    with _LIVE_TABLES_LOCK:
+        return list(_LIVE_TABLES)
 
 
 #: The state that the casts of one role write on the step path; each role's part is a tensor of its own.
@@ -112,7 +125,7 @@ class FP8StateTable:
         #: rows, each move. An FP8 weight cast under one generation of an unchanged weight can be reused.
         self.generation = 0
         self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))
-        _LIVE_TABLES.add(self)
+        _register(self)
 
     # ------------------------------------------------------------------ storage
     def _allocate(self, num_layers: int, device: torch.device) -> None:
@@ -147,9 +160,25 @@ class FP8StateTable:
         self.mark_lineage()
 
     def _new_compiled_forward_mark(self) -> None:
+        """A new mark tensor on the table's device (allocation, moves), its predecessor's writes carried over into
+        ``_compiled_forward_base`` (see :meth:`compiled_forward_count`)."""
+        old = self.__dict__.get("compiled_forward_mark")
+        base = self.__dict__.get("_compiled_forward_base", 0)
+        if old is not None and not old.is_inference():
+            base += old._version
+        self._compiled_forward_base = base
         #: Bumped in place by every compiled training forward of the table's layers inside a standalone region (see
         #: :meth:`mark_compiled_forward`); only its version counter is read.
         self.compiled_forward_mark = torch.zeros((), dtype=torch.int64, device=self.amax_history.device)
+
+    def compiled_forward_count(self) -> int | None:
+        """How many times compiled layers marked this table (:meth:`mark_compiled_forward`) since it was made, copied
+        or loaded, moves included; ``None`` for a table made under ``torch.inference_mode()`` (an inference tensor has
+        no version counter, and no compiled training forward can write one outside inference mode)."""
+        mark = self.compiled_forward_mark
+        if mark.is_inference():
+            return None
+        return self._compiled_forward_base + mark._version
 
     def mark_compiled_forward(self) -> None:
         """A compiled training forward of one of the table's layers ran inside a standalone region: the region must roll
@@ -308,12 +337,14 @@ class FP8StateTable:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _LIVE_TABLES.add(self)
+        _register(self)
         if "history_scale" not in state and "role_scale" in state:  # pickled by an older version
             self.history_scale = self.scale.clone()
         if "forward_scale" not in state and "role_scale" in state:
             self.publish_forward_history()
-        if "compiled_forward_mark" not in state and "amax_history" in state:
+        if "amax_history" in state:  # a copy or a load starts with no compiled forwards (copying bumps the version)
+            self.__dict__.pop("compiled_forward_mark", None)
+            self._compiled_forward_base = 0
             self._new_compiled_forward_mark()
         if "lineage_untrusted" in state and not state["lineage_untrusted"]:
             self.mark_lineage()
@@ -580,33 +611,30 @@ def bind_state_tables(model: nn.Module) -> list[FP8StateTable]:
     return tables
 
 
-def compiled_forward_marks() -> dict[int, tuple[Tensor, int]]:
-    """Every live table's compiled forward mark (:meth:`FP8StateTable.mark_compiled_forward`) and its version, by the
-    table's ``id``: taken when a standalone region is entered, it tells at the exit which tables its compiled layers
-    ran with (:func:`tables_marked_since`). Holds the mark tensors, not the tables. Tables made under
-    ``torch.inference_mode()`` are left out: an inference tensor has no version counter, and no compiled training
-    forward can write one outside inference mode."""
+def compiled_forward_marks() -> dict[int, tuple[weakref.ReferenceType[FP8StateTable], int]]:
+    """Every live table's :meth:`~FP8StateTable.compiled_forward_count`, by the table's ``id`` (with a weak reference
+    to tell a new table that reuses the ``id``): taken when a standalone region is entered, it tells at the exit which
+    tables its compiled layers ran with (:func:`tables_marked_since`). Tables made under ``torch.inference_mode()``
+    are left out."""
     marks = {}
-    for table in list(_LIVE_TABLES):
-        mark = table.__dict__.get("compiled_forward_mark")
-        if mark is not None and not mark.is_inference():
-            marks[id(table)] = (mark, mark._version)
+    for table in _live_tables():
+        count = table.compiled_forward_count()
+        if count is not None:
+            marks[id(table)] = (weakref.ref(table), count)
     return marks
 
 
-def tables_marked_since(marks: dict[int, tuple[Tensor, int]]) -> list[FP8StateTable]:
-    """The live tables whose compiled forward mark was written since ``marks`` (:func:`compiled_forward_marks`) were
-    taken, tables made since then (a copy made inside the region) and marks replaced since (a move) included."""
+def tables_marked_since(marks: dict[int, tuple[weakref.ReferenceType[FP8StateTable], int]]) -> list[FP8StateTable]:
+    """The live tables that compiled layers marked since ``marks`` (:func:`compiled_forward_marks`) were taken, tables
+    made since then (a copy made inside the region that then ran compiled) included."""
     marked = []
-    for table in list(_LIVE_TABLES):
-        mark = table.__dict__.get("compiled_forward_mark")
-        if mark is None or mark.is_inference():
+    for table in _live_tables():
+        count = table.compiled_forward_count()
+        if count is None:
             continue
         then = marks.get(id(table))
-        if then is None or then[0] is not mark:  # a new table or a new mark tensor: written at all since?
-            if mark._version > 0:
-                marked.append(table)
-        elif mark._version != then[1]:
+        before = then[1] if then is not None and then[0]() is table else 0  # a table made since: from zero
+        if count != before:
             marked.append(table)
     return marked
 

@@ -181,3 +181,75 @@ def test_compiled_checkpointed_delayed_blocks_train_after_an_inference_mode_forw
         y.sum().backward()
         assert x.grad is not None and bool(torch.isfinite(x.grad).all())
     assert not _table(block).forward_scale.is_inference()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
+def test_a_copy_made_inside_the_region_rolls_only_if_it_runs(how):
+    """An EMA-style copy made inside the region, after the model ran, does not run there: it keeps its pending
+    amaxes and is not rolled (copying or loading once bumped the copied mark's version, so the region took the copy
+    for one its compiled layers had run with: one history entry too many, outputs 0.09 off later)."""
+    import io
+
+    model = _delayed(0)
+    with lf.fp8_autocast():
+        model(torch.randn(8, 64) * 3)
+        if how == "deepcopy":
+            copy_ = copy.deepcopy(model)
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            copy_ = torch.load(buffer, weights_only=False)
+        generation = _table(copy_).generation
+    table = _table(copy_)
+    assert table.generation == generation and bool((table.amax_history == 0).all())
+    assert float(table.amax_pending[0, 0]) > 0
+
+
+def test_a_move_after_a_compiled_forward_inside_the_region_keeps_the_mark():
+    """A compiled forward, then a move of the model (new tensors, a new mark) inside the same region: the table still
+    rolls on exit, as its eager twin does (the count of compiled forwards carries over the move)."""
+    torch._dynamo.reset()
+    compiled_model = _delayed(0)
+    eager_model = copy.deepcopy(compiled_model)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    generations = []
+    for model, run in ((compiled_model, compiled), (eager_model, eager_model)):
+        with lf.fp8_autocast():
+            run(torch.randn(8, 64))
+            model.to("meta")  # the only other device here: every tensor of the table is replaced
+        generations.append(_table(model).generation)
+    assert generations[0] == generations[1]
+
+
+def test_tables_made_on_another_thread_while_regions_open_and_close():
+    """Regions entered and left while another thread keeps making tables: the region's look at the live tables must
+    not fail ("Set changed size during iteration", which also skipped the exit's rolls)."""
+    import sys
+
+    model, keep = _delayed(0), [_delayed(1) for _ in range(200)]
+    stop, errors = threading.Event(), []
+
+    def copier():
+        while not stop.is_set():
+            keep.append(copy.deepcopy(keep[-1]))
+            if len(keep) > 400:
+                del keep[200:]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    worker = threading.Thread(target=copier)
+    worker.start()
+    try:
+        for _ in range(200):
+            try:
+                with lf.fp8_autocast():
+                    model(torch.randn(2, 64))
+            except RuntimeError as error:  # pragma: no cover - the failure this test is for
+                errors.append(error)
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:1]
+    assert _table(model).generation == 1 + 200
