@@ -175,10 +175,10 @@ class FP8StateTable:
         """How many times compiled layers marked this table (:meth:`mark_compiled_forward`) since it was made, copied
         or loaded, moves included; ``None`` for a table made under ``torch.inference_mode()`` (an inference tensor has
         no version counter, and no compiled training forward can write one outside inference mode)."""
-        mark = self.compiled_forward_mark
-        if mark.is_inference():
+        mark = self.__dict__.get("compiled_forward_mark")
+        if mark is None or mark.is_inference():  # (None: a table restored without one, never marked)
             return None
-        return self._compiled_forward_base + mark._version
+        return self.__dict__.get("_compiled_forward_base", 0) + mark._version
 
     def mark_compiled_forward(self) -> None:
         """A compiled training forward of one of the table's layers ran inside a standalone region: the region must roll
