@@ -290,6 +290,7 @@ class FP8PrecisionBase(Precision):
         self.high_precision_layers: dict[str, str] = {}
         self._switch_pending = False  # names in high_precision_layers whose FP8 layers are not switched yet
         self._warned_unprepared = False
+        self._warned_retained_graph = False
         self._fp8_all_gather_declined = False  # prepare_for_sharding(fp8_all_gather=False): no warning
         self._gather_layers: list[nn.Module] | None = None  # layers whose weights FSDP2 gathers in FP8 (lazily)
         self._gather_set: set[int] = set()  # their id()s
@@ -838,6 +839,41 @@ class FP8PrecisionBase(Precision):
         self._switch_kept_layers()
 
 
+def _retains_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Tensor.backward(*args, **kwargs)`` keeps the graph (``retain_graph``, the second positional argument,
+    defaults to ``create_graph``)."""
+    retain = kwargs.get("retain_graph", args[1] if len(args) > 1 else None)
+    if retain is None:
+        retain = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
+    return bool(retain)
+
+
+def warn_if_retained_graph_under_compile(
+    plugin: FP8PrecisionBase, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Warn once per plugin when a backward retains the graph while inductor (``torch.compile``'s default backend) has
+    compiled something in this process and its FX graph cache is on: a later backward over a retained graph of a
+    compiled FP8 model can then be silently wrong (a torch defect: a backward compiled with donated buffers is loaded
+    from the cache where the first backward retains the graph; see the troubleshooting page). Process-wide, because
+    the compiled wrapper may sit outside what the plugin sees (Fabric and the Trainer unwrap a compiled model)."""
+    if plugin._warned_retained_graph or not _retains_graph(args, kwargs):
+        return
+    import sys
+
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if "torch._inductor.compile_fx" not in sys.modules or inductor_config is None or not inductor_config.fx_graph_cache:
+        return
+    plugin._warned_retained_graph = True
+    rank_zero_warn(
+        "lightning_fp8: a backward retains the graph while torch.compile's inductor is in use. A second backward over a "
+        "retained graph of an inductor-compiled model can be silently wrong: inductor's FX graph cache may hand back a "
+        "backward compiled with donated buffers, which overwrites saved activations (a torch defect; FP8 layers bypass "
+        "AOTAutograd's cache, whose check would raise). If the graph is compiled, set "
+        "torch._inductor.config.fx_graph_cache = False (or TORCHINDUCTOR_FX_GRAPH_CACHE=0) before compiling; see the "
+        "troubleshooting page, 'A second backward over a retained graph'."
+    )
+
+
 class FP8Precision(FP8PrecisionBase, HalfPrecision):
     """FP8 training for Lightning Fabric: ``Fabric(plugins=[FP8Precision()])``.
 
@@ -853,7 +889,9 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
 
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Scale the loss (``"dynamic"`` loss scaling), then run the backward pass."""
+        """Scale the loss (``"dynamic"`` loss scaling), then run the backward pass (warning once where a retained graph
+        of a compiled model is at risk: see the troubleshooting page, 'A second backward over a retained graph')."""
+        warn_if_retained_graph_under_compile(self, args, kwargs)
         self._scale_loss(tensor).backward(*args, **kwargs)
 
     @override

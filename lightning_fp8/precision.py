@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fp8.calibration import _loss_tensor, calibrate_with, first_training_batches, muted_logging
-from lightning_fp8.fabric import FP8PrecisionBase
+from lightning_fp8.fabric import FP8PrecisionBase, warn_if_retained_graph_under_compile
 from lightning_fp8.state import state_tables
 
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
@@ -150,6 +150,15 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss (``"dynamic"`` loss scaling) before Lightning's backward hooks and the backward."""
         return super().pre_backward(self._scale_loss(tensor), module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Optimizable | None, *args: Any, **kwargs: Any
+    ) -> None:
+        """Lightning's backward, warning once where a retained graph of a compiled model is at risk
+        (see the troubleshooting page, 'A second backward over a retained graph')."""
+        warn_if_retained_graph_under_compile(self, args, kwargs)
+        super().backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(  # type: ignore[override]
