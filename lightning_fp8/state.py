@@ -90,6 +90,11 @@ def _live_tables() -> list[FP8StateTable]:
         return list(_LIVE_TABLES)
 
 
+def _version_of(tensor: Tensor) -> int | None:
+    """``tensor``'s version counter; ``None`` for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
+
+
 #: The state that the casts of one role write on the step path; each role's part is a tensor of its own.
 _PER_ROLE_FIELDS = ("scale", "amax_pending", "counts", "amax_bins")
 
@@ -164,9 +169,7 @@ class FP8StateTable:
         ``_compiled_forward_base`` (see :meth:`compiled_forward_count`)."""
         old = self.__dict__.get("compiled_forward_mark")
         base = self.__dict__.get("_compiled_forward_base", 0)
-        if old is not None and not old.is_inference():
-            base += old._version
-        self._compiled_forward_base = base
+        self._compiled_forward_base = base + ((_version_of(old) or 0) if old is not None else 0)
         #: Bumped in place by every compiled training forward of the table's layers inside a standalone region (see
         #: :meth:`mark_compiled_forward`); only its version counter is read.
         self.compiled_forward_mark = torch.zeros((), dtype=torch.int64, device=self.amax_history.device)
@@ -176,9 +179,8 @@ class FP8StateTable:
         or loaded, moves included; ``None`` for a table made under ``torch.inference_mode()`` (an inference tensor has
         no version counter, and no compiled training forward can write one outside inference mode)."""
         mark = self.__dict__.get("compiled_forward_mark")
-        if mark is None or mark.is_inference():  # (None: a table restored without one, never marked)
-            return None
-        return self.__dict__.get("_compiled_forward_base", 0) + mark._version
+        version = _version_of(mark) if mark is not None else None  # (no mark: a table restored without one)
+        return None if version is None else self.__dict__.get("_compiled_forward_base", 0) + version
 
     def mark_compiled_forward(self) -> None:
         """A compiled training forward of one of the table's layers ran inside a standalone region: the region must roll
@@ -325,8 +327,7 @@ class FP8StateTable:
     def _pending_version(self) -> int | None:
         """The input role's pending amax's version counter; ``None`` for an inference tensor (a table made under
         ``torch.inference_mode()``, which has none: its tokens are never trusted)."""
-        pending = self.role_amax_pending[INPUT]
-        return None if pending.is_inference() else pending._version
+        return _version_of(self.role_amax_pending[INPUT])
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or pickle keeps the tokens' trust (its tensors have version counters of their own)."""
