@@ -70,14 +70,21 @@ def amax_bins(amax: Tensor) -> Tensor:
 
     Bin 0 counts zero amaxes, bin ``1 + e - AMAX_BIN_LOW`` those with ``floor(log2(amax)) == e`` (``e`` clamped to
     ``[AMAX_BIN_LOW, AMAX_BIN_HIGH]``), the last bin non-finite ones.
+
+    The counting is done in int32 and widened to int64 after: inductor cannot add int64 atomically, so an int64
+    ``index_add_`` compiled to an accumulating ``aten.index_put_``, which CUDA runs by sorting the indices and walking
+    each bin's duplicates one by one (almost every slice lands in a few bins: on an H200, 8.9 ms of a compiled
+    ``rowwise`` Llama3-8B-shaped block's 29 ms). In int32 inductor emits one atomic-add kernel. One cast has fewer than
+    2**31 slices or blocks, so int32 cannot overflow here; the tables accumulate the int64 result.
     """
     amax = amax.reshape(-1).to(torch.float32)
     exponent = torch.frexp(amax).exponent - 1  # amax = m * 2**(exponent + 1), 0.5 <= m < 1: floor(log2(amax))
     index = exponent.clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
     index = torch.where(amax == 0, 0, index)
     index = torch.where(torch.isfinite(amax), index, N_AMAX_BINS - 1)
-    bins = torch.zeros(N_AMAX_BINS, dtype=torch.int64, device=amax.device)
-    return bins.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int64))
+    bins = torch.zeros(N_AMAX_BINS, dtype=torch.int32, device=amax.device)
+    bins.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int32))
+    return bins.to(torch.int64)
 
 
 class Quantized(NamedTuple):
