@@ -574,7 +574,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
         prof = harness.profile_step(counted(key, step), device)
         results[key].update(syncs=prof.syncs, aten_ops=prof.aten_ops, peak_bytes=prof.peak_bytes,
                             peak_source=prof.peak_source, cuda_syncs=prof.cuda_syncs,
-                            fused_optimizer_reads=prof.fused_kernel_reads)
+                            cuda_sync_sites=prof.cuda_sync_sites, fused_optimizer_reads=prof.fused_kernel_reads)
         if not variants[key].compiled:
             results[key].update(saved_for_backward(variants[key], x, x2, params))
 

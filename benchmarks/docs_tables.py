@@ -862,6 +862,33 @@ def compile_depth(data: dict[str, Any] | None = None) -> str:
     return "\n".join(out)
 
 
+def kernels_gpu() -> str:
+    """``profile_kernels.py`` on a GPU: each compiled variant's kernel time per step of one block, and its largest
+    kernels outside the GEMMs and attention (classified again here with the script's current classifier)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from profile_kernels import kernel_class
+
+    data = load("kernels_gpu.json")
+    results, size = data["results"], data["size"]
+    out = [caption(data["environment"], data["command"]), "",
+           f"Device time of the kernels of one training step ({data['mode']}; forward, backward, `AdamW(fused=True)`), "
+           f"summed over kernels, not wall time: one {size['name']}-shaped block, {size['batch'] * size['seq']} tokens. "
+           "Each variant against bf16 and against torchao with the same scaling; then the largest kernels that are "
+           "neither a GEMM nor attention (casts, scales, statistics, scatters), with their share of the step.", ""]
+    rows = []
+    for kind, r in results.items():
+        torchao = "torchao-" + kind.partition(":")[0].split("-", 1)[1] if kind.startswith("ours-") else None
+        same = x(r["total_us"] / results[torchao]["total_us"]) if torchao in results else ""
+        others = [t for t in r["top"] if kernel_class(t["name"]) not in ("gemm", "attention", "optimizer")][:2]
+        largest = "; ".join(f"`{t['name'][:48]}…` {t['us'] / 1e3:.2f} ms ({100 * t['us'] / r['total_us']:.0f} %)"
+                            for t in others)
+        rows.append([kind, f"{r['total_us'] / 1e3:.2f}", x(r["total_us"] / results["bf16"]["total_us"]), same,
+                     largest])
+    out.append(table(["variant", "kernel ms / step", "× bf16", "× torchao, same scaling",
+                      "largest kernels besides GEMMs and attention"], rows, right=1))
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "convergence.md": convergence_plain,
     "convergence_outliers.md": convergence_outliers,
@@ -885,6 +912,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_gpu_compile.md": lambda: llama_compile(load("llama_gpu.json")),
     "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
     "fsdp2_all_gather.md": fsdp2_all_gather,
+    "kernels_gpu.md": kernels_gpu,
 }
 #: Tables of a benchmark whose result file is not committed yet, and the file: each is registered once its file
 #: exists, so that before the first run ``--check`` and ``tests/test_doc_numbers.py`` ask for no table (and no page

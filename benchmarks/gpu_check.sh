@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a CUDA machine with torch, lightning and triton installed:
-#   bash benchmarks/gpu_check.sh [test|bench|all] [OUT_DIR]
-# test:  machine facts and tests/test_cuda.py (native GEMMs, compiled Triton casts, sync-free steps, Trainer fits);
-# bench: the Llama3-8B-shaped stack (benchmarks/bench_llama.py --sizes llama3-8b): every variant eager, and compiled
-#        bf16, torchao tensorwise/rowwise and our per-tensor and row-wise recipes, within a compile budget.
-# Sizing (H200, torch 2.11, 2026-11-26): test 121 s; bench 300 s when the compile budget of 250 s stopped before
-# compiled `delayed` (253 s spent on bf16, torchao tensorwise/rowwise, ours tensorwise/rowwise, the whole stack
-# compiled). The bench now compiles block by block (--compile-scope blocks, torchtitan's way): the blocks after the
-# first share one graph, so each variant compiles two blocks' graphs instead of four (unmeasured on a GPU so far).
-# Each compiled variant's gradients are checked against its eager twin's before it is timed (bench_llama.py).
+#   bash benchmarks/gpu_check.sh [PARTS] [OUT_DIR]      PARTS: all (= bench,profile,test) or a comma list of them
+# bench:   the Llama3-8B-shaped stack (benchmarks/bench_llama.py --sizes llama3-8b): every variant eager, and compiled
+#          bf16, torchao tensorwise/rowwise and our per-tensor and row-wise recipes, within a compile budget; each
+#          compiled variant's gradients are checked against its eager twin's before it is timed.
+# profile: benchmarks/profile_kernels.py on one compiled Llama3-8B-shaped block: kernel time per step by kernel,
+#          ours against torchao, with the counters ablation (what the statistics cost).
+# test:    machine facts and tests/test_cuda.py (native GEMMs, compiled Triton casts, sync-free steps, Trainer fits),
+#          four pytest workers where pytest-xdist is installed.
+# Parts run in the order bench, profile, test (the bench alone on the GPU first), each under its own timeout.
+# Sizing (H200, torch 2.11, 2026-11-27, a fresh machine, about 30 s to start): bench 287 s (compile budget 240,
+# block by block: all six compiled variants fitted), profile about 140 s for five variants (cold compiles), test
+# about 215 s on one worker (unmeasured with four). The default timeouts (310 + 150 + 110 s) fit `all` into one
+# call of at most 600 s (run it with timeout_s 595): a session with 15 device minutes then has about 4 minutes left,
+# enough for one short rerun of a part that its timeout cut (e.g. `test`, with TEST_TIMEOUT=200).
 # Logs, the result JSON and the plot go to OUT_DIR (default benchmarks/results/gpu). Wheels in .whl/ (e.g. torchao,
 # where the machine lacks it) are installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
+[[ $what == all ]] && what=bench,profile,test
+has() { [[ ,$what, == *,$1,* ]]; }
 out=${2:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,23 +28,31 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-if [[ $what == test || $what == all ]]; then
+if has bench; then
+    # mxfp8 is left out: its GEMMs are native on compute capability 10.0+ only (emulated, slower than bf16, before)
+    kinds=bf16,torchao-tensorwise,torchao-rowwise,ours-tensorwise,ours-delayed,ours-rowwise,ours-blockwise
+    [[ $(python3 -c "import torch; print(torch.cuda.get_device_capability()[0] >= 10)") == True ]] && kinds+=,ours-mxfp8
+    timeout "${BENCH_TIMEOUT:-310}" python3 benchmarks/bench_llama.py --sizes "${SIZES:-llama3-8b}" --kinds "$kinds" \
+        --compile-kinds bf16,torchao-tensorwise,ours-tensorwise,ours-rowwise,ours-delayed,torchao-rowwise \
+        --compile-budget "${COMPILE_BUDGET:-240}" --compile-scope "${COMPILE_SCOPE:-blocks}" --cold-compile --reps "${REPS:-7}" --json "$out/llama_gpu.json" --plot "$out/llama_gpu.png" \
+        > "$out/bench.log" 2>&1
+    echo "benchmark exit $?"; grep -v "Failed to load" "$out/bench.log" | tail -60
+fi
+if has profile; then
+    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_kernels.py --size "${PROFILE_SIZE:-llama3-8b}" \
+        --kinds "${PROFILE_KINDS:-bf16,torchao-tensorwise,ours-tensorwise,ours-tensorwise:nocounters,ours-rowwise}" \
+        --top 20 --json "$out/kernels_gpu.json" > "$out/kernels.md" 2> "$out/kernels.log"
+    echo "profile exit $?"; grep -v "Failed to load" "$out/kernels.log" | tail -8; head -12 "$out/kernels.md"
+fi
+if has test; then
     {
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
         python3 -c "import torch, lightning, triton, torchao; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'lightning', lightning.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__,
 torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
     } 2>&1 | grep -v "Failed to load\|register_constant" | tee "$out/env.txt"
-    timeout "${TEST_TIMEOUT:-150}" python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider --durations=8 -s 2>&1 \
+    workers=-s  # the native-vs-emulated differences are printed; with pytest-xdist, four workers instead
+    python3 -c "import xdist" 2>/dev/null && workers="-n 4"
+    timeout "${TEST_TIMEOUT:-110}" python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider --durations=8 $workers 2>&1 \
         | grep -v "Failed to load" | tee "$out/test_cuda.log" | grep -E "passed|failed|error|FAILED|ERROR|native vs|SKIP" | tail -40
-fi
-if [[ $what == bench || $what == all ]]; then
-    # mxfp8 is left out: its GEMMs are native on compute capability 10.0+ only (emulated, slower than bf16, before)
-    kinds=bf16,torchao-tensorwise,torchao-rowwise,ours-tensorwise,ours-delayed,ours-rowwise,ours-blockwise
-    [[ $(python3 -c "import torch; print(torch.cuda.get_device_capability()[0] >= 10)") == True ]] && kinds+=,ours-mxfp8
-    timeout "${BENCH_TIMEOUT:-430}" python3 benchmarks/bench_llama.py --sizes "${SIZES:-llama3-8b}" --kinds "$kinds" \
-        --compile-kinds bf16,torchao-tensorwise,ours-tensorwise,ours-rowwise,ours-delayed,torchao-rowwise \
-        --compile-budget "${COMPILE_BUDGET:-300}" --compile-scope "${COMPILE_SCOPE:-blocks}" --cold-compile --reps "${REPS:-7}" --json "$out/llama_gpu.json" --plot "$out/llama_gpu.png" \
-        > "$out/bench.log" 2>&1
-    echo "benchmark exit $?"; grep -v "Failed to load" "$out/bench.log" | tail -60
 fi

@@ -230,6 +230,8 @@ class StepProfile:
     peak_source: str  #: where ``peak_bytes`` comes from
     cuda_syncs: int | None = None  #: synchronizing CUDA calls reported by ``torch.cuda.set_sync_debug_mode`` (CUDA only)
     fused_kernel_reads: int = 0  #: :data:`SYNC_OPS` inside ``aten::_fused_*`` kernels (see :func:`profile_step`)
+    #: where the ``cuda_syncs`` come from: ``file:line`` of the Python frame that made each call, and how often
+    cuda_sync_sites: dict[str, int] | None = None
 
 
 def profile_step(fn: Callable[[], Any], device: str = "cpu") -> StepProfile:
@@ -247,6 +249,7 @@ def profile_step(fn: Callable[[], Any], device: str = "cpu") -> StepProfile:
 
     cuda = torch.device(device).type == "cuda"
     cuda_syncs = None
+    sites: dict[str, int] | None = None
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -260,7 +263,12 @@ def profile_step(fn: Callable[[], Any], device: str = "cpu") -> StepProfile:
                     fn()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            cuda_syncs = sum("synchroniz" in str(w.message) for w in caught)
+            sync_warnings = [w for w in caught if "synchroniz" in str(w.message)]
+            cuda_syncs = len(sync_warnings)
+            sites = {}
+            for w in sync_warnings:
+                site = f"{os.path.relpath(w.filename)}:{w.lineno}"
+                sites[site] = sites.get(site, 0) + 1
             torch.cuda.synchronize(device)
         else:
             fn()
@@ -282,7 +290,7 @@ def profile_step(fn: Callable[[], Any], device: str = "cpu") -> StepProfile:
                 syncs += 1
     if cuda:
         return StepProfile(syncs, ops, torch.cuda.max_memory_allocated(device) - base,
-                           "torch.cuda.max_memory_allocated", cuda_syncs, fused)
+                           "torch.cuda.max_memory_allocated", cuda_syncs, fused, sites)
     # every allocation and free, in order (the FunctionEvents fold those inside an op into the op)
     memory = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())

@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""Where a compiled training step's device time goes, kernel by kernel: ours against torchao on one Llama block.
+
+Usage::
+
+    python benchmarks/profile_kernels.py                       # Llama3-8B-shaped block on a GPU (or the CPU)
+    python benchmarks/profile_kernels.py --size tiny --kinds bf16,ours-tensorwise
+
+``bench_llama.py`` says how fast each variant's step is; this says why. One decoder block of ``--size``
+(``bench_llama.SIZES``, one block instead of the size's stack, same tokens per step), each of ``--kinds`` built and
+compiled as ``bench_llama`` builds them (one copy of the weights, the same batch), warmed up, then ``--steps`` steps
+under ``torch.profiler``. Each kernel's device time per step is summed by name and by class:
+
+* ``gemm``: matrix products (cuBLAS / CUTLASS / nvjet kernels, ``scaled_mm``, ``mm``);
+* ``attention``: the fused attention kernels (flash / cudnn / efficient attention);
+* ``fused``: inductor's generated Triton kernels (casts, scales, amax reductions, norms, activations);
+* ``optimizer``: the fused AdamW kernel;
+* ``other``: everything else (copies, fills, separate reductions).
+
+An ablation, to price the statistics: ``<kind>:nocounters`` (e.g. ``ours-tensorwise:nocounters``) runs our variant
+with ``quantize.cast_statistics`` replaced by zeros, so that inductor drops the nonzero / overflow / underflow
+counters from the cast kernels (not a product setting: the stats callback then reads zeros).
+
+Output: a markdown table per variant (the classes, then the ``--top`` kernels by time) on stdout, and JSON
+(``--json``: every kernel's time too). Its numbers are device time summed over kernels, not wall time: overlaps and launch gaps are not in
+it (``bench_llama.py`` measures the wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_llama as bl  # noqa: E402
+import harness  # noqa: E402
+
+#: (class, pattern on the kernel name), tried in order: inductor names a Triton kernel after every op fused into it,
+#: so ``triton_..._scaled_mm_...`` is a cast feeding a GEMM (``fused``), not a GEMM
+CLASSES = (
+    ("fused", re.compile(r"^triton_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|cudnn.*sdpa|sdpa", re.I)),
+    ("optimizer", re.compile(r"adam", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|scaled_mm|sm90_xmma|ampere_|\bmm\b|matmul|addmm|bmm", re.I)),
+)
+
+
+@contextlib.contextmanager
+def counters_off() -> Any:
+    """The ``:nocounters`` ablation: casts report zero counts, so no counter reduction is computed."""
+    from unittest import mock
+
+    def zeros(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(3, dtype=torch.int64, device=x.device)
+
+    with mock.patch("lightning_fp8.quantize.cast_statistics", zeros):
+        yield
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel by its name (first matching pattern of ``CLASSES``, else ``other``)."""
+    for label, pattern in CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def profile_kernels(step: Any, device: str, steps: int) -> dict[str, float]:
+    """Device (or, on a CPU, self CPU) microseconds per step of each kernel name over ``steps`` profiled steps."""
+    cuda = torch.device(device).type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if cuda and event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+            times[event.name] += event.device_time_total / steps
+        elif not cuda and event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("aten::"):
+            times[event.name] += event.self_cpu_time_total / steps
+    return dict(times)
+
+
+def summarize(times: dict[str, float], top: int) -> dict[str, Any]:
+    """Per-class totals and the ``top`` kernels of one variant's profile."""
+    classes: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for name, us in times.items():
+        classes[kernel_class(name)] += us
+        counts[kernel_class(name)] += 1
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])[:top]
+    return {"total_us": sum(times.values()), "classes_us": dict(classes), "kernel_names": dict(counts),
+            "top": [{"name": n, "class": kernel_class(n), "us": us} for n, us in ranked], "kernels_us": dict(times)}
+
+
+def render(results: dict[str, dict[str, Any]], baseline: str | None) -> str:
+    """Markdown: one table of classes across variants, then each variant's top kernels."""
+    labels = [c for c, _ in CLASSES] + ["other"]
+    rows = []
+    for kind, r in results.items():
+        base = results.get(baseline, {}).get("total_us") if baseline else None
+        rows.append([kind, f"{r['total_us'] / 1e3:.2f}", harness.ratio(r["total_us"], base) if base else ""]
+                    + [f"{r['classes_us'].get(c, 0.0) / 1e3:.2f}" for c in labels])
+    text = [harness.markdown_table(["variant", "device ms / step", f"× {baseline}" if baseline else "", *labels], rows)]
+    for kind, r in results.items():
+        text.append(f"\n**{kind}**, top kernels (ms per step):\n")
+        text.append(harness.markdown_table(["kernel", "class", "ms"], [
+            [t["name"][:110].replace("|", "\\|"), t["class"], f"{t['us'] / 1e3:.3f}"] for t in r["top"]]))
+    return "\n".join(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--size", default="llama3-8b", choices=list(bl.SIZES), help="block shape (default llama3-8b)")
+    parser.add_argument("--kinds", default="bf16,torchao-tensorwise,ours-tensorwise,torchao-rowwise,ours-rowwise",
+                        help="comma-separated variants of bench_llama.KINDS")
+    parser.add_argument("--eager", action="store_true", help="profile the eager variants instead of compiled ones")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, compilation included (default 3)")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per variant (default 12)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default="", help="result file (default: none)")
+    args = parser.parse_args(argv)
+
+    kinds = args.kinds.split(",")
+    for kind in kinds:
+        name, _, ablation = kind.partition(":")
+        if name not in bl.KINDS:
+            parser.error(f"{kind}: unknown variant; choose from {list(bl.KINDS)}")
+        if ablation not in ("", "nocounters") or (ablation and not name.startswith("ours-")):
+            parser.error(f"{kind}: the only ablation is ours-<recipe>:nocounters")
+    size = dataclasses.replace(bl.SIZES[args.size], blocks=1)
+    base = bl.make_stack(size, args.device)
+    optimizer = torch.optim.AdamW(list(base.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
+    x = torch.randn(size.batch, size.seq, size.hidden, device=args.device)
+    backend = None if args.eager else "inductor"
+    results: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        name, _, ablation = kind.partition(":")
+        torch._dynamo.reset()
+        with counters_off() if ablation else contextlib.nullcontext():
+            variant = bl.build_variant(name, base, args.device, backend)
+            step = bl.make_step(variant, x, optimizer)
+            for _ in range(args.warmup):
+                step()
+            results[kind] = summarize(profile_kernels(step, args.device, args.steps), args.top)
+        print(f"{kind}: {results[kind]['total_us'] / 1e3:.2f} ms of kernels per step", file=sys.stderr, flush=True)
+    env = harness.environment(args.device)
+    mode = "eager" if args.eager else "compiled (inductor)"
+    print(f"*{env['device'] if 'device' in env else args.device}; torch {env['torch']}; one {args.size} block, "
+          f"{size.tokens} tokens, {mode}.*\n")
+    print(render(results, "bf16" if "bf16" in results else None))
+    if args.json:
+        harness.write_result(args.json, env, " ".join(["python benchmarks/profile_kernels.py", *(argv or sys.argv[1:])]),
+                             size=dataclasses.asdict(size), mode=mode, results=results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
