@@ -623,7 +623,8 @@ def llama_compile(data: dict[str, Any] | None = None) -> str:
     out.append(f"Host syncs (`aten::_local_scalar_dense`, `aten::equal`) and aten ops dispatched in one profiled "
                f"training step after the warm-up, eager and compiled (`torch.compile`, {backend}); the compiled "
                "variants' time to compile (the first step; "
-               + ("every variant compiled cold, with empty on-disk caches (`--cold-compile`)"
+               + ("the on-disk caches emptied at the start of the run (`--cold-compile`); `(cached)`: the cache "
+                  "served a graph compiled earlier in the same run"
                   if data["config"].get("cold_compile") else
                   "`(cached)`: inductor's or AOTAutograd's on-disk cache served it, from an earlier run")
                + "), the graphs and graph breaks of the warm-up steps, and the "
@@ -880,9 +881,10 @@ def kernels_gpu() -> str:
         torchao = "torchao-" + kind.partition(":")[0].split("-", 1)[1] if kind.startswith("ours-") else None
         same = x(r["total_us"] / results[torchao]["total_us"]) if torchao in results else ""
         others = [t for t in r["top"] if kernel_class(t["name"]) not in ("gemm", "attention", "optimizer")][:2]
+        bf16 = results.get("bf16", {}).get("total_us")
         largest = "; ".join(f"`{t['name'][:48]}…` {t['us'] / 1e3:.2f} ms ({100 * t['us'] / r['total_us']:.0f} %)"
                             for t in others)
-        rows.append([kind, f"{r['total_us'] / 1e3:.2f}", x(r["total_us"] / results["bf16"]["total_us"]), same,
+        rows.append([kind, f"{r['total_us'] / 1e3:.2f}", x(r["total_us"] / bf16) if bf16 else "n/a", same,
                      largest])
     out.append(table(["variant", "kernel ms / step", "× bf16", "× torchao, same scaling",
                       "largest kernels besides GEMMs and attention"], rows, right=1))

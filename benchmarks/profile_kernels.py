@@ -11,15 +11,19 @@ Usage::
 compiled as ``bench_llama`` builds them (one copy of the weights, the same batch), warmed up, then ``--steps`` steps
 under ``torch.profiler``. Each kernel's device time per step is summed by name and by class:
 
-* ``gemm``: matrix products (cuBLAS / CUTLASS / nvjet kernels, ``scaled_mm``, ``mm``);
+* ``gemm``: matrix products (cuBLAS / CUTLASS / nvjet kernels and cuBLAS's split-K reductions, ``scaled_mm``, ``mm``);
 * ``attention``: the fused attention kernels (flash / cudnn / efficient attention);
-* ``fused``: inductor's generated Triton kernels (casts, scales, amax reductions, norms, activations);
+* ``fused``: inductor's generated Triton kernels (casts, scales, amax reductions, norms, activations) and our own
+  eager Triton casts;
 * ``optimizer``: the fused AdamW kernel;
 * ``other``: everything else (copies, fills, separate reductions).
 
-An ablation, to price the statistics: ``<kind>:nocounters`` (e.g. ``ours-tensorwise:nocounters``) runs our variant
-with ``quantize.cast_statistics`` replaced by zeros, so that inductor drops the nonzero / overflow / underflow
-counters from the cast kernels (not a product setting: the stats callback then reads zeros).
+An ablation, to price the statistics: ``<kind>:nostats`` (e.g. ``ours-tensorwise:nostats``), compiled only, runs
+our variant with ``quantize.cast_statistics`` (the nonzero / overflow / underflow counters) and ``quantize.amax_bins``
+(the histograms of slice and block amaxes) replaced by zeros, so that inductor drops them from the cast kernels.
+What stays: the amaxes the scales need and the table records. Not a product setting: the stats callback would read
+zeros. (Eager on CUDA the casts run our Triton kernel, which computes the counters inside; the ablation cannot
+remove them there, so ``--eager`` on CUDA refuses it.)
 
 Output: a markdown table per variant (the classes, then the ``--top`` kernels by time) on stdout, and JSON
 (``--json``: every kernel's time too). Its numbers are device time summed over kernels, not wall time: overlaps and launch gaps are not in
@@ -47,22 +51,27 @@ import harness  # noqa: E402
 #: (class, pattern on the kernel name), tried in order: inductor names a Triton kernel after every op fused into it,
 #: so ``triton_..._scaled_mm_...`` is a cast feeding a GEMM (``fused``), not a GEMM
 CLASSES = (
-    ("fused", re.compile(r"^triton_", re.I)),
+    ("fused", re.compile(r"^triton_|_cast_with_statistics_kernel|_block_cast_kernel", re.I)),  # ours eager too
     ("attention", re.compile(r"flash|fmha|attention|cudnn.*sdpa|sdpa", re.I)),
     ("optimizer", re.compile(r"adam", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|scaled_mm|sm90_xmma|ampere_|\bmm\b|matmul|addmm|bmm", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|splitKreduce|scaled_mm|sm90_xmma|ampere_|\bmm\b|matmul|addmm|bmm", re.I)),
 )
 
 
 @contextlib.contextmanager
-def counters_off() -> Any:
-    """The ``:nocounters`` ablation: casts report zero counts, so no counter reduction is computed."""
+def statistics_off() -> Any:
+    """The ``:nostats`` ablation: casts report zero counts and empty amax histograms, computed from nothing."""
     from unittest import mock
 
-    def zeros(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    import lightning_fp8.quantize as quantize
+
+    def no_counts(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(3, dtype=torch.int64, device=x.device)
 
-    with mock.patch("lightning_fp8.quantize.cast_statistics", zeros):
+    def no_bins(amax: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(quantize.N_AMAX_BINS, dtype=torch.int64, device=amax.device)
+
+    with mock.patch.object(quantize, "cast_statistics", no_counts), mock.patch.object(quantize, "amax_bins", no_bins):
         yield
 
 
@@ -138,32 +147,34 @@ def main(argv: list[str] | None = None) -> int:
         name, _, ablation = kind.partition(":")
         if name not in bl.KINDS:
             parser.error(f"{kind}: unknown variant; choose from {list(bl.KINDS)}")
-        if ablation not in ("", "nocounters") or (ablation and not name.startswith("ours-")):
-            parser.error(f"{kind}: the only ablation is ours-<recipe>:nocounters")
+        if ablation not in ("", "nostats") or (ablation and not name.startswith("ours-")):
+            parser.error(f"{kind}: the only ablation is ours-<recipe>:nostats")
+        if ablation and args.eager and torch.device(args.device).type == "cuda":
+            parser.error(f"{kind}: eager on CUDA our Triton cast computes the counters itself; profile it compiled")
     size = dataclasses.replace(bl.SIZES[args.size], blocks=1)
     base = bl.make_stack(size, args.device)
     optimizer = torch.optim.AdamW(list(base.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
     x = torch.randn(size.batch, size.seq, size.hidden, device=args.device)
     backend = None if args.eager else "inductor"
+    env = harness.environment(args.device)
+    mode = "eager" if args.eager else "compiled (inductor)"
+    command = " ".join(["python benchmarks/profile_kernels.py", *(argv if argv is not None else sys.argv[1:])])
     results: dict[str, dict[str, Any]] = {}
     for kind in kinds:
         name, _, ablation = kind.partition(":")
         torch._dynamo.reset()
-        with counters_off() if ablation else contextlib.nullcontext():
+        with statistics_off() if ablation else contextlib.nullcontext():
             variant = bl.build_variant(name, base, args.device, backend)
             step = bl.make_step(variant, x, optimizer)
             for _ in range(args.warmup):
                 step()
             results[kind] = summarize(profile_kernels(step, args.device, args.steps), args.top)
         print(f"{kind}: {results[kind]['total_us'] / 1e3:.2f} ms of kernels per step", file=sys.stderr, flush=True)
-    env = harness.environment(args.device)
-    mode = "eager" if args.eager else "compiled (inductor)"
+        if args.json:  # after every variant: a run cut short keeps what it measured
+            harness.write_result(args.json, env, command, size=dataclasses.asdict(size), mode=mode, results=results)
     print(f"*{env['device'] if 'device' in env else args.device}; torch {env['torch']}; one {args.size} block, "
           f"{size.tokens} tokens, {mode}.*\n")
     print(render(results, "bf16" if "bf16" in results else None))
-    if args.json:
-        harness.write_result(args.json, env, " ".join(["python benchmarks/profile_kernels.py", *(argv or sys.argv[1:])]),
-                             size=dataclasses.asdict(size), mode=mode, results=results)
     return 0
 
 

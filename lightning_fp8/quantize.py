@@ -75,13 +75,20 @@ def amax_bins(amax: Tensor) -> Tensor:
     ``index_add_`` compiled to an accumulating ``aten.index_put_``, which CUDA runs by sorting the indices and walking
     each bin's duplicates one by one (almost every slice lands in a few bins: on an H200, 8.9 ms of a compiled
     ``rowwise`` Llama3-8B-shaped block's 29 ms). In int32 inductor emits one atomic-add kernel. One cast has fewer than
-    2**31 slices or blocks, so int32 cannot overflow here; the tables accumulate the int64 result.
+    2**31 slices or blocks, so int32 cannot overflow here; the tables accumulate the int64 result. Compiled under
+    ``torch.use_deterministic_algorithms(True)`` (``Trainer(deterministic=True)``) inductor refuses atomics and would
+    fall back to that sorting scatter whatever the dtype, so there each bin is counted by comparison instead (a
+    reduction inductor fuses, no atomics; dynamo guards on the flag). Eager deterministic runs keep ``index_add_``,
+    which torch then runs deterministically.
     """
     amax = amax.reshape(-1).to(torch.float32)
     exponent = torch.frexp(amax).exponent - 1  # amax = m * 2**(exponent + 1), 0.5 <= m < 1: floor(log2(amax))
     index = exponent.clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
     index = torch.where(amax == 0, 0, index)
     index = torch.where(torch.isfinite(amax), index, N_AMAX_BINS - 1)
+    if torch.compiler.is_compiling() and torch.are_deterministic_algorithms_enabled():
+        every_bin = torch.arange(N_AMAX_BINS, device=amax.device, dtype=index.dtype)
+        return (index.unsqueeze(-1) == every_bin).sum(0, dtype=torch.int64)
     bins = torch.zeros(N_AMAX_BINS, dtype=torch.int32, device=amax.device)
     bins.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int32))
     return bins.to(torch.int64)

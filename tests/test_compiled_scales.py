@@ -13,7 +13,9 @@ column or block; a loop over the data covers at least the smallest tensor).
 The same code shows how the histograms of slice and block amaxes (``quantize.amax_bins``) are counted: never through
 an accumulating ``aten.index_put_`` fallback. Inductor cannot add int64 atomically, so an int64 count fell back to
 that op, which CUDA runs by sorting the indices and walking each bin's duplicates one by one: on an H200 it was 31%
-of a compiled ``rowwise`` Llama3-8B-shaped block's device time (every row lands in a few bins).
+of a compiled ``rowwise`` Llama3-8B-shaped block's device time (every row lands in a few bins). Under
+``torch.use_deterministic_algorithms(True)`` inductor falls back for any dtype, so there the bins are counted by
+comparison.
 """
 
 from __future__ import annotations
@@ -145,7 +147,17 @@ def _reference_bins(amax: torch.Tensor) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64)
 
 
-def test_amax_bins_compiles_without_a_sorting_scatter():
+@pytest.fixture
+def deterministic(request):
+    """``torch.use_deterministic_algorithms`` set to the test's parameter, restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], indirect=True, ids=["default", "deterministic"])
+def test_amax_bins_compiles_without_a_sorting_scatter(deterministic):
     torch._dynamo.reset()
     compiled = torch.compile(amax_bins, fullgraph=True)
     bins, codes = run_and_get_code(compiled, _AMAXES)

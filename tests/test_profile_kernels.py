@@ -1,4 +1,4 @@
-"""``benchmarks/profile_kernels.py``: kernel time per step by name and class, and the counters ablation."""
+"""``benchmarks/profile_kernels.py``: kernel time per step by name and class, and the statistics ablation."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ import profile_kernels  # noqa: E402
     ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata, FusedAdamMathFunctor>", "optimizer"),
     ("void (anonymous namespace)::indexing_backward_kernel_stride_1<long>", "other"),
     ("aten::mm", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    ("_cast_with_statistics_kernel", "fused"),
 ])
 def test_kernel_classes(name, expected):
     assert profile_kernels.kernel_class(name) == expected
 
 
-def test_profile_on_this_cpu_with_the_counters_ablation(tmp_path, capsys):
+def test_profile_on_this_cpu_with_the_statistics_ablation(tmp_path, capsys):
     out = tmp_path / "kernels.json"
-    kinds = "bf16,ours-tensorwise,ours-tensorwise:nocounters"
+    kinds = "bf16,ours-tensorwise,ours-tensorwise:nostats,ours-rowwise,ours-rowwise:nostats"
     assert profile_kernels.main(["--size", "test", "--eager", "--kinds", kinds, "--steps", "1", "--warmup", "1",
                                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -37,15 +39,34 @@ def test_profile_on_this_cpu_with_the_counters_ablation(tmp_path, capsys):
         assert r["total_us"] == pytest.approx(sum(r["classes_us"].values()))
     # the eager counters are count_nonzero ops: present with the statistics, gone in the ablation
     assert results["ours-tensorwise"]["kernels_us"].get("aten::count_nonzero", 0) > 0
-    assert "aten::count_nonzero" not in results["ours-tensorwise:nocounters"]["kernels_us"]
+    assert "aten::count_nonzero" not in results["ours-tensorwise:nostats"]["kernels_us"]
     assert "aten::count_nonzero" not in results["bf16"]["kernels_us"]
-    assert "| ours-tensorwise:nocounters |" in capsys.readouterr().out
+    # the row amax histograms are index_add_ ops: present with the statistics, gone in the ablation
+    assert results["ours-rowwise"]["kernels_us"].get("aten::index_add_", 0) > 0
+    assert "aten::index_add_" not in results["ours-rowwise:nostats"]["kernels_us"]
+    assert "| ours-tensorwise:nostats |" in capsys.readouterr().out
 
 
 def test_an_unknown_ablation_is_an_error():
     with pytest.raises(SystemExit):
-        profile_kernels.main(["--size", "test", "--eager", "--kinds", "bf16:nocounters"])
+        profile_kernels.main(["--size", "test", "--eager", "--kinds", "bf16:nostats"])
     with pytest.raises(SystemExit):
         profile_kernels.main(["--size", "test", "--eager", "--kinds", "ours-tensorwise:fast"])
     with pytest.raises(SystemExit):
         profile_kernels.main(["--size", "test", "--eager", "--kinds", "ours-fast"])
+
+
+def test_sync_warnings_are_counted_under_their_call_site():
+    """``harness.profile_step`` on CUDA counts ``set_sync_debug_mode`` warnings by the innermost frames of this
+    project that made them (checked here without a GPU: the counting function, called from a frame of ours)."""
+    import harness
+
+    sites: dict[str, int] = {}
+    source = "def caller(note, sites, message):\n    note(sites, message)\n"
+    namespace: dict = {}
+    exec(compile(source, str(Path(harness.__file__).parent / "some_benchmark.py"), "exec"), namespace)
+    for _ in range(2):
+        namespace["caller"](harness._note_sync, sites, UserWarning("called a synchronizing CUDA operation"))
+    namespace["caller"](harness._note_sync, sites, UserWarning("an unrelated warning"))
+    assert len(sites) == 1 and list(sites.values()) == [2]
+    assert next(iter(sites)).split(" < ")[0].endswith("some_benchmark.py:2")
