@@ -285,3 +285,79 @@ def test_unit_width_layers_run_every_gemm(recipe, in_f, out_f):
     assert y.shape == (8, out_f)
     for got, ref in ((y, plain(x_ref)), (x.grad, x_ref.grad), (layer[0].weight.grad, plain.weight.grad)):
         assert torch.allclose(got.float(), ref.float(), rtol=0.15, atol=0.15 * ref.abs().max().item() + 1e-6)
+
+
+# --- native rowwise GEMMs without fast accumulation: the per-tensor kernel, scales applied after ----------------------
+
+
+def _exact_fp8(shape, seed):
+    """FP8 E4M3 matrices of small integers: every product and every partial sum is exact in float32, so any two
+    float32 GEMMs of them agree bit for bit whatever their order of additions."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=generator).float().to(torch.float8_e4m3fn)
+
+
+def _record_scaled_mm(monkeypatch):
+    """Route ``fp8_mm`` to its native path on this CPU (``torch._scaled_mm`` runs here, slowly) and record each call."""
+    calls = []
+    real = torch._scaled_mm
+
+    def recorded(a, b, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **kwargs):
+        calls.append({"scale_a": tuple(scale_a.shape), "scale_b": tuple(scale_b.shape), "out_dtype": out_dtype,
+                      "use_fast_accum": use_fast_accum, "unit": bool((scale_a == 1).all() and (scale_b == 1).all())})
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(gemm, "gemm_path", lambda device, recipe="tensorwise": "native")
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    return calls
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(64, 128, 48), (33, 40, 20), (1, 16, 1)])
+def test_native_rowwise_without_fast_accum_runs_the_tensorwise_kernel_and_equals_the_emulation(monkeypatch, m, k, n):
+    """cuBLAS's row-wise kernel is slow without fast accumulation (the backward GEMMs): the native path runs the
+    per-tensor kernel with unit scales into float32 and applies the row and column scales after, which is the
+    emulation's formula exactly (bit for bit on operands whose float32 product is exact)."""
+    a = _exact_fp8((m, k), 0)
+    b = _exact_fp8((n, k), 1).t()  # column-major (K, N)
+    generator = torch.Generator().manual_seed(2)
+    scale_a = torch.rand(m, 1, generator=generator) * 3 + 0.25  # not powers of two: the order of roundings shows
+    scale_b = torch.rand(1, n, generator=generator) * 3 + 0.25
+    expected = fp8_mm(a, b, scale_a, scale_b, torch.bfloat16)  # emulated (this CPU's path)
+    calls = _record_scaled_mm(monkeypatch)
+    got = fp8_mm(a, b, scale_a, scale_b, torch.bfloat16)
+    assert calls == [{"scale_a": (), "scale_b": (), "out_dtype": torch.float32, "use_fast_accum": False, "unit": True}]
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n) and torch.equal(got, expected)
+
+
+def test_native_rowwise_with_fast_accum_and_tensorwise_keep_their_kernels(monkeypatch):
+    a, b = _exact_fp8((32, 64), 0), _exact_fp8((48, 64), 1).t()
+    calls = _record_scaled_mm(monkeypatch)
+    fp8_mm(a, b, torch.full((32, 1), 0.5), torch.full((1, 48), 2.0), torch.bfloat16, use_fast_accum=True)
+    fp8_mm(a, b, torch.tensor(0.5), torch.tensor(2.0), torch.float32)
+    assert [(c["scale_a"], c["scale_b"], c["out_dtype"], c["use_fast_accum"]) for c in calls] == [
+        ((32, 1), (1, 48), torch.bfloat16, True), ((), (), torch.float32, False)]
+
+
+def test_native_rowwise_layer_backward_uses_the_tensorwise_kernel(monkeypatch):
+    """A ``rowwise`` FP8Linear on the native path: the forward GEMM keeps the row-wise kernel (fast accumulation),
+    both backward GEMMs run the per-tensor kernel into float32; gradients equal the emulated layer's."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48, bias=False)
+    lf.convert_to_fp8(layer, recipe="rowwise", log_summary=False)
+    x = torch.randn(32, 64)
+
+    def grads():
+        xi = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with lf.fp8_autocast():
+            out = layer(xi)
+        out.float().pow(2).sum().backward()
+        return out.detach(), xi.grad, layer.weight.grad
+
+    ref = grads()  # emulated (this CPU's path); rowwise scales come from each tensor itself, so a rerun casts alike
+    calls = _record_scaled_mm(monkeypatch)
+    got = grads()
+    assert [(c["out_dtype"], c["use_fast_accum"], c["unit"]) for c in calls] == [
+        (torch.bfloat16, True, False), (torch.float32, False, True), (torch.float32, False, True)]
+    for r, g in zip(ref, got):  # the same FP8 operands; float32 sums in another order: close, not bitwise
+        assert torch.allclose(g.float(), r.float(), rtol=1e-2, atol=1e-3 * r.float().abs().max().item())
