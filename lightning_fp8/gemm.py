@@ -26,9 +26,7 @@ The emulation does what CUDA's ``_scaled_mm`` does, with one rounding::
 It differs from the CUDA kernel only in the order of the float32 additions (which no two GEMM kernels
 share) and in ``use_fast_accum`` (CUDA's faster, less precise accumulation of the forward GEMM, which
 the emulation does not imitate). For ``rowwise`` the CUDA kernel only outputs bfloat16; callers then
-convert to their dtype, as on CUDA. Row-wise GEMMs without fast accumulation (the backward's) run natively as the
-per-tensor kernel into float32 with the scales applied after (:func:`rowwise_by_tensorwise_kernel`: cuBLAS's
-row-wise kernel is slow without fast accumulation), which is the formula above exactly. The float32 product is also the fast choice on CPUs without bf16
+convert to their dtype, as on CUDA. The float32 product is also the fast choice on CPUs without bf16
 matrix units (on the AVX2 machines of this project's CI a float32 GEMM is ~150x faster than a bf16 one).
 
 Block-scaled GEMMs (:func:`fp8_block_mm`) cannot apply their scales after one product: the hardware
@@ -231,32 +229,12 @@ def fp8_mm(
         # torch._scaled_mm, not the public F.scaled_mm: the same cuBLAS kernel, and torch.compile traces it on every
         # torch version (F.scaled_mm calls torch._scaled_mm_v2, which dynamo of torch 2.11 cannot trace: a graph
         # break per GEMM, seen on an H200); torchao's Float8Linear calls it too.
-        if (inv_a.numel() == 1 and inv_b.numel() == 1) or use_fast_accum:
-            out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype,
-                                   use_fast_accum=use_fast_accum)
-        else:
-            out = rowwise_by_tensorwise_kernel(a, b, inv_a, inv_b, out_dtype)
+        out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     else:
         out = emulated_scaled_mm(a, b, inv_a, inv_b, out_dtype)
     if out.shape[1] == n:
         return out
     return out[:, :n].clone() if own_output else out[:, :n]
-
-
-def rowwise_by_tensorwise_kernel(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """A row-wise scaled GEMM without fast accumulation, run as the per-tensor kernel with unit scales into float32,
-    the row and column decoding scales applied after: ``(product * inv_a * inv_b).to(out_dtype)``, the emulation's
-    formula exactly (one rounding; see ``emulated_scaled_mm``).
-
-    Why: cuBLAS's row-wise kernel is slow without fast accumulation. On an H200 (torch 2.11, CUDA 13) the largest
-    backward GEMM of a compiled ``rowwise`` Llama3-8B-shaped block took 5.0 ms in it, where torchao's ``rowwise``,
-    which does this (in bfloat16, exact for its power-of-two scales), took 3.1 ms for the same GEMM in the per-tensor
-    kernel. The float32 product costs a write and a read of 4 bytes per output element (inductor fuses the scaling
-    with the conversion), far less than the kernel's difference at these sizes. The backward GEMMs are the ones
-    without fast accumulation; the forward's keep the row-wise kernel."""
-    one = torch.ones((), dtype=torch.float32, device=a.device)
-    product = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=False)
-    return (product * inv_a * inv_b).to(out_dtype)
 
 
 def emulated_scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
