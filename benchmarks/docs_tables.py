@@ -866,8 +866,7 @@ def compile_depth(data: dict[str, Any] | None = None) -> str:
 def kernels_gpu() -> str:
     """``profile_kernels.py`` on a GPU: each compiled variant's kernel time per step of one block, and its largest
     kernels outside the GEMMs and attention (classified again here with the script's current classifier)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from profile_kernels import kernel_class
+    from profile_kernels import kernel_class  # beside this file, like bench_llama's import of docs_tables
 
     data = load("kernels_gpu.json")
     results, size = data["results"], data["size"]
@@ -877,11 +876,11 @@ def kernels_gpu() -> str:
            "Each variant against bf16 and against torchao with the same scaling; then the largest kernels that are "
            "neither a GEMM nor attention (casts, scales, statistics, scatters), with their share of the step.", ""]
     rows = []
+    bf16 = results.get("bf16", {}).get("total_us")
     for kind, r in results.items():
         torchao = "torchao-" + kind.partition(":")[0].split("-", 1)[1] if kind.startswith("ours-") else None
         same = x(r["total_us"] / results[torchao]["total_us"]) if torchao in results else ""
         others = [t for t in r["top"] if kernel_class(t["name"]) not in ("gemm", "attention", "optimizer")][:2]
-        bf16 = results.get("bf16", {}).get("total_us")
         largest = "; ".join(f"`{t['name'][:48]}…` {t['us'] / 1e3:.2f} ms ({100 * t['us'] / r['total_us']:.0f} %)"
                             for t in others)
         rows.append([kind, f"{r['total_us'] / 1e3:.2f}", x(r["total_us"] / bf16) if bf16 else "n/a", same,

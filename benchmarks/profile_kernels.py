@@ -103,22 +103,23 @@ def profile_kernels(step: Any, device: str, steps: int) -> dict[str, float]:
 
 def summarize(times: dict[str, float], top: int) -> dict[str, Any]:
     """Per-class totals and the ``top`` kernels of one variant's profile."""
+    label = {name: kernel_class(name) for name in times}
     classes: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for name, us in times.items():
-        classes[kernel_class(name)] += us
-        counts[kernel_class(name)] += 1
+        classes[label[name]] += us
+        counts[label[name]] += 1
     ranked = sorted(times.items(), key=lambda kv: -kv[1])[:top]
     return {"total_us": sum(times.values()), "classes_us": dict(classes), "kernel_names": dict(counts),
-            "top": [{"name": n, "class": kernel_class(n), "us": us} for n, us in ranked], "kernels_us": dict(times)}
+            "top": [{"name": n, "class": label[n], "us": us} for n, us in ranked], "kernels_us": dict(times)}
 
 
 def render(results: dict[str, dict[str, Any]], baseline: str | None) -> str:
     """Markdown: one table of classes across variants, then each variant's top kernels."""
     labels = [c for c, _ in CLASSES] + ["other"]
     rows = []
+    base = results.get(baseline, {}).get("total_us") if baseline else None
     for kind, r in results.items():
-        base = results.get(baseline, {}).get("total_us") if baseline else None
         rows.append([kind, f"{r['total_us'] / 1e3:.2f}", harness.ratio(r["total_us"], base) if base else ""]
                     + [f"{r['classes_us'].get(c, 0.0) / 1e3:.2f}" for c in labels])
     text = [harness.markdown_table(["variant", "device ms / step", f"× {baseline}" if baseline else "", *labels], rows)]
