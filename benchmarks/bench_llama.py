@@ -59,6 +59,11 @@ The raw numbers go to ``benchmarks/results/llama.json`` (with the machine, the v
 the step-time ratios to ``docs/assets/llama_step_time.png``; ``python benchmarks/docs_tables.py`` renders the tables
 (``benchmarks/results/tables/llama_*.md``) from the JSON. On a CPU the FP8 GEMMs are emulated: see
 ``docs/benchmarks.md`` for what the CPU ratios mean.
+
+Under a time limit (``timeout``, which sends ``SIGTERM``), the script stops where it is and still writes the result
+file, plot and tables with what it measured: the file then has ``"stopped"`` (when, and which sizes were not run),
+each variant timed in the rounds completed keeps that timing, and the others say where the run stopped. It exits
+with status 1 then.
 """
 
 from __future__ import annotations
@@ -458,153 +463,174 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
         return {"kind": kind, "name": variant_name(kind) + (" + compile" if compiled else ""), "compiled": compiled,
                 "status": "measured", "gemm_path": path}
 
-    for kind in kinds:
-        results[kind] = entry(kind, False)
-        try:
-            variants[kind] = build_variant(kind, base, device, None)
-        except Exception as err:  # noqa: BLE001 - report it, do not abort the run
-            results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            continue
-        steps[kind] = make_step(variants[kind], x, optimizer)
-    wanted = kinds if compile_kinds is None else compile_kinds
-    compile_kinds = tuple(k for k in COMPILE_ORDER if k in wanted and k in variants) if compile_backend else ()
-    if compile_kinds:
-        torch._dynamo.reset()  # one size at a time: the stack's code objects are shared by all compiled variants
-        # every compiled variant is a cache entry of the same code objects: room for all, and one recompilation each
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(compile_kinds))
-        if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
-            torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, 16 * len(compile_kinds))
-
-    # warm-up: eager variants, then each compiled one (compiled while it warms up, within the budget)
-    for kind, step in list(steps.items()):
-        log(f"{size.name}: warm-up {kind}")
-        try:
-            for _ in range(warmup):
-                step()
-        except Exception as err:  # noqa: BLE001 - report it, do not abort the run
-            results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            log(f"{size.name}: {kind} {results[kind]['status']}")
-            del steps[kind], variants[kind]
     spent = 0.0
-    for kind in compile_kinds:
-        key = f"{kind}+compile"
-        results[key] = info = entry(kind, True)
-        if spent > budget_s:
-            info["status"] = f"skipped: compile budget of {budget_s:.0f} s used up ({spent:.0f} s)"
-            log(f"{size.name}: {key} {info['status']}")
-            continue
-        log(f"{size.name}: compiling {key}")
-        variant = build_variant(kind, base, device, compile_backend, compile_scope)
-        step = make_step(variant, x, optimizer)
-        from torch._dynamo.utils import counters
+    changes: dict[str, dict[str, int]] = {}  # graphs and graph breaks after warm-up, per compiled variant
+    last_log = ["setting up"]  # where the run is: for the variants that a stop leaves unmeasured
 
-        before, reasons0 = harness.dynamo_counts(), dict(counters["graph_break"])
-        caches0 = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
-        phases0 = harness.compile_phase_seconds()
-        t0 = time.perf_counter()
-        try:
-            step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            info["first_step_s"] = time.perf_counter() - t0
-            phases1 = harness.compile_phase_seconds()
-            info["compile_phases_s"] = {k: phases1[k] - phases0[k] for k in phases1}
-            for _ in range(warmup - 1):
+    def note(message: str) -> None:
+        last_log[0] = message
+        log(message)
+
+    def summary() -> dict[str, Any]:
+        return {"size": {**dataclasses.asdict(size), "tokens": size.tokens, "linear_params": size.linear_params,
+                         "model_flops": size.model_flops},
+                "compile_budget_s": budget_s if compile_kinds else None, "compile_spent_s": spent,
+                "variants": results}
+
+    def record_timings(timing: dict[str, harness.Timing]) -> None:
+        for key, t in timing.items():
+            r = results[key]
+            r.update(median_s=t.median, fastest_s=t.fastest, slowest_s=max(t.walls), cpu_s=t.cpu, times=t.walls)
+            r["tokens_per_s"] = size.tokens / t.median
+            r["model_tflops"] = size.model_flops / t.median / 1e12
+            peak = peaks["fp8"] if r["kind"] != "bf16" else peaks["bf16"]
+            r["mfu"] = size.model_flops / t.median / peak if peak else None
+            if r["compiled"]:
+                r["recompiles_after_warmup"] = changes[key]["graphs"]
+                r["graph_breaks_after_warmup"] = changes[key]["graph_breaks"]
+
+    try:
+        for kind in kinds:
+            results[kind] = entry(kind, False)
+            try:
+                variants[kind] = build_variant(kind, base, device, None)
+            except Exception as err:  # noqa: BLE001 - report it, do not abort the run
+                results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                continue
+            steps[kind] = make_step(variants[kind], x, optimizer)
+        wanted = kinds if compile_kinds is None else compile_kinds
+        compile_kinds = tuple(k for k in COMPILE_ORDER if k in wanted and k in variants) if compile_backend else ()
+        if compile_kinds:
+            torch._dynamo.reset()  # one size at a time: the stack's code objects are shared by all compiled variants
+            # every compiled variant is a cache entry of the same code objects: room for all, and one recompilation each
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(compile_kinds))
+            if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+                torch._dynamo.config.accumulated_recompile_limit = max(
+                    torch._dynamo.config.accumulated_recompile_limit, 16 * len(compile_kinds))
+
+        # warm-up: eager variants, then each compiled one (compiled while it warms up, within the budget)
+        for kind, step in list(steps.items()):
+            note(f"{size.name}: warm-up {kind}")
+            try:
+                for _ in range(warmup):
+                    step()
+            except Exception as err:  # noqa: BLE001 - report it, do not abort the run
+                results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                note(f"{size.name}: {kind} {results[kind]['status']}")
+                del steps[kind], variants[kind]
+        for kind in compile_kinds:
+            key = f"{kind}+compile"
+            results[key] = info = entry(kind, True)
+            if spent > budget_s:
+                info["status"] = f"skipped: compile budget of {budget_s:.0f} s used up ({spent:.0f} s)"
+                note(f"{size.name}: {key} {info['status']}")
+                continue
+            note(f"{size.name}: compiling {key}")
+            variant = build_variant(kind, base, device, compile_backend, compile_scope)
+            step = make_step(variant, x, optimizer)
+            from torch._dynamo.utils import counters
+
+            before, reasons0 = harness.dynamo_counts(), dict(counters["graph_break"])
+            caches0 = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
+            phases0 = harness.compile_phase_seconds()
+            t0 = time.perf_counter()
+            try:
                 step()
-            if cuda:
-                torch.cuda.synchronize(device)
-        except Exception as err:  # noqa: BLE001 - report it, do not abort the run
-            info["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            log(f"{size.name}: {key} {info['status']}")
-            continue
-        info["warmup_s"] = time.perf_counter() - t0
-        spent += info["warmup_s"]
-        after = harness.dynamo_counts()
-        info["graphs"] = after["graphs"] - before["graphs"]
-        info["graph_breaks"] = after["graph_breaks"] - before["graph_breaks"]
-        info["graph_break_reasons"] = sorted(k for k, v in counters["graph_break"].items() if v > reasons0.get(k, 0))
-        # inductor's and AOTAutograd's on-disk caches: a second run of the same shapes compiles from them
-        info["compile_cache_hits"] = sum(counters[k][c] - caches0[k].get(c, 0) for k, c in (
-            ("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit")))
-        variants[key], steps[key] = variant, step
+                if cuda:
+                    torch.cuda.synchronize(device)
+                info["first_step_s"] = time.perf_counter() - t0
+                phases1 = harness.compile_phase_seconds()
+                info["compile_phases_s"] = {k: phases1[k] - phases0[k] for k in phases1}
+                for _ in range(warmup - 1):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+            except Exception as err:  # noqa: BLE001 - report it, do not abort the run
+                info["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                note(f"{size.name}: {key} {info['status']}")
+                continue
+            info["warmup_s"] = time.perf_counter() - t0
+            spent += info["warmup_s"]
+            after = harness.dynamo_counts()
+            info["graphs"] = after["graphs"] - before["graphs"]
+            info["graph_breaks"] = after["graph_breaks"] - before["graph_breaks"]
+            info["graph_break_reasons"] = sorted(k for k, v in counters["graph_break"].items() if v > reasons0.get(k, 0))
+            # inductor's and AOTAutograd's on-disk caches: a second run of the same shapes compiles from them
+            info["compile_cache_hits"] = sum(counters[k][c] - caches0[k].get(c, 0) for k, c in (
+                ("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit")))
+            variants[key], steps[key] = variant, step
 
-    # each compiled variant's gradients against its eager twin's (bf16's where the twin is not run), on the same
-    # weights and batch: a compiled step that trains wrongly is not timed (torch 2.11 once gave our compiled layers
-    # zero gradients, and the timing looked plausible)
-    for key in [k for k in steps if variants[k].compiled]:
-        kind = variants[key].kind
-        reference = kind if kind in steps else "bf16" if "bf16" in steps else None
-        if reference is None:
-            continue
-        check = gradient_check(variants[key], variants[reference], x, params, optimizer)
-        results[key]["gradient_check"] = check
-        log(f"{size.name}: {key} gradients against {reference}'s: relative difference "
-            f"{check['relative_difference']:.3g}")
-        if check["zero_gradients"]:
-            results[key]["status"] = (f"invalid: {check['zero_gradients']} of {check['parameters']} gradients zero "
-                                      f"where {reference}'s are not")
-        elif not check["relative_difference"] <= GRADIENT_TOLERANCE:
-            results[key]["status"] = (f"invalid: gradients {check['relative_difference']:.2g} off {reference}'s "
-                                      f"(tolerance {GRADIENT_TOLERANCE})")
-        if results[key]["status"] != "measured":
-            log(f"{size.name}: {key} {results[key]['status']}: not timed")
-            del steps[key], variants[key]
+        # each compiled variant's gradients against its eager twin's (bf16's where the twin is not run), on the same
+        # weights and batch: a compiled step that trains wrongly is not timed (torch 2.11 once gave our compiled layers
+        # zero gradients, and the timing looked plausible)
+        for key in [k for k in steps if variants[k].compiled]:
+            kind = variants[key].kind
+            reference = kind if kind in steps else "bf16" if "bf16" in steps else None
+            if reference is None:
+                continue
+            check = gradient_check(variants[key], variants[reference], x, params, optimizer)
+            results[key]["gradient_check"] = check
+            note(f"{size.name}: {key} gradients against {reference}'s: relative difference "
+                f"{check['relative_difference']:.3g}")
+            if check["zero_gradients"]:
+                results[key]["status"] = (f"invalid: {check['zero_gradients']} of {check['parameters']} gradients zero "
+                                          f"where {reference}'s are not")
+            elif not check["relative_difference"] <= GRADIENT_TOLERANCE:
+                results[key]["status"] = (f"invalid: gradients {check['relative_difference']:.2g} off {reference}'s "
+                                          f"(tolerance {GRADIENT_TOLERANCE})")
+            if results[key]["status"] != "measured":
+                note(f"{size.name}: {key} {results[key]['status']}: not timed")
+                del steps[key], variants[key]
 
-    # one profiled step each: host syncs, aten ops, peak memory; the bytes saved for backward (eager)
-    changes: dict[str, dict[str, int]] = {key: {"graphs": 0, "graph_breaks": 0} for key in steps}
+        # one profiled step each: host syncs, aten ops, peak memory; the bytes saved for backward (eager)
+        changes.update({key: {"graphs": 0, "graph_breaks": 0} for key in steps})
 
-    def counted(key: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``fn``, adding what dynamo compiles during the call to the key's count (after warm-up)."""
+        def counted(key: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+            """``fn``, adding what dynamo compiles during the call to the key's count (after warm-up)."""
 
-        def run() -> Any:
-            c0 = harness.dynamo_counts()
-            out = fn()
-            c1 = harness.dynamo_counts()
-            changes[key]["graphs"] += c1["graphs"] - c0["graphs"]
-            changes[key]["graph_breaks"] += c1["graph_breaks"] - c0["graph_breaks"]
-            return out
+            def run() -> Any:
+                c0 = harness.dynamo_counts()
+                out = fn()
+                c1 = harness.dynamo_counts()
+                changes[key]["graphs"] += c1["graphs"] - c0["graphs"]
+                changes[key]["graph_breaks"] += c1["graph_breaks"] - c0["graph_breaks"]
+                return out
 
-        return run
+            return run
 
-    x2 = torch.cat([x, torch.randn_like(x)])  # twice the batch: what grows with the tokens, and what does not
-    for key, step in steps.items():
-        log(f"{size.name}: profiling {key}")
-        optimizer.zero_grad(set_to_none=True)  # the peak above the start: activations, gradients, temporaries
-        prof = harness.profile_step(counted(key, step), device)
-        results[key].update(syncs=prof.syncs, aten_ops=prof.aten_ops, peak_bytes=prof.peak_bytes,
-                            peak_source=prof.peak_source, cuda_syncs=prof.cuda_syncs,
-                            cuda_sync_sites=prof.cuda_sync_sites, fused_optimizer_reads=prof.fused_kernel_reads)
-        if not variants[key].compiled:
-            results[key].update(saved_for_backward(variants[key], x, x2, params))
+        x2 = torch.cat([x, torch.randn_like(x)])  # twice the batch: what grows with the tokens, and what does not
+        for key, step in steps.items():
+            note(f"{size.name}: profiling {key}")
+            optimizer.zero_grad(set_to_none=True)  # the peak above the start: activations, gradients, temporaries
+            prof = harness.profile_step(counted(key, step), device)
+            results[key].update(syncs=prof.syncs, aten_ops=prof.aten_ops, peak_bytes=prof.peak_bytes,
+                                peak_source=prof.peak_source, cuda_syncs=prof.cuda_syncs,
+                                cuda_sync_sites=prof.cuda_sync_sites, fused_optimizer_reads=prof.fused_kernel_reads)
+            if not variants[key].compiled:
+                results[key].update(saved_for_backward(variants[key], x, x2, params))
 
-    # the timed steps, interleaved across all variants
-    def timed(key: str) -> Callable[[], None]:
-        step = steps[key]
+        # the timed steps, interleaved across all variants
+        def timed(key: str) -> Callable[[], None]:
+            step = steps[key]
 
-        def run() -> None:
-            step()
-            if cuda:
-                torch.cuda.synchronize(device)
+            def run() -> None:
+                step()
+                if cuda:
+                    torch.cuda.synchronize(device)
 
-        return counted(key, run)
+            return counted(key, run)
 
-    log(f"{size.name}: timing {len(steps)} variants, {reps} interleaved rounds")
-    timing = harness.interleaved({key: timed(key) for key in steps}, rounds=reps, calls=1, warmup=0)
-    for key, t in timing.items():
-        r = results[key]
-        r.update(median_s=t.median, fastest_s=t.fastest, slowest_s=max(t.walls), cpu_s=t.cpu, times=t.walls)
-        r["tokens_per_s"] = size.tokens / t.median
-        r["model_tflops"] = size.model_flops / t.median / 1e12
-        peak = peaks["fp8"] if r["kind"] != "bf16" else peaks["bf16"]
-        r["mfu"] = size.model_flops / t.median / peak if peak else None
-        if r["compiled"]:
-            r["recompiles_after_warmup"] = changes[key]["graphs"]
-            r["graph_breaks_after_warmup"] = changes[key]["graph_breaks"]
-    return {"size": {**dataclasses.asdict(size), "tokens": size.tokens, "linear_params": size.linear_params,
-                     "model_flops": size.model_flops},
-            "compile_budget_s": budget_s if compile_kinds else None, "compile_spent_s": spent,
-            "variants": results}
+        note(f"{size.name}: timing {len(steps)} variants, {reps} interleaved rounds")
+        record_timings(harness.interleaved({key: timed(key) for key in steps}, rounds=reps, calls=1, warmup=0))
+    except harness.Stopped as stop:
+        # what was measured stays (a timing from the rounds completed); what was not says where the run was
+        record_timings(stop.timings)
+        for info in results.values():
+            if info["status"] == "measured" and "median_s" not in info:
+                info["status"] = f"not timed: run stopped by {stop} at \"{last_log[0]}\""
+        stop.size_result = summary()
+        raise
+    return summary()
 
 
 def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", compile_backend: str | None = "inductor",
@@ -612,7 +638,12 @@ def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", 
         peak_fp8: float | None = None, log: Callable[[str], None] = print,
         compile_kinds: tuple[str, ...] | None = None, compile_scope: str = "model") -> dict[str, Any]:
     """Measure every size; the result file's numbers (without environment and command). ``compile_kinds``: the variants
-    to compile too (default: all of ``kinds``); ``compile_scope``: see :func:`compile_in_scope`."""
+    to compile too (default: all of ``kinds``); ``compile_scope``: see :func:`compile_in_scope`.
+
+    Within :func:`harness.stop_on_signals` (as :func:`main` runs it), a ``SIGTERM`` ends the run early but still
+    returns: the result then has ``"stopped"`` (why, when, which sizes were not run), the variants measured so far
+    keep their numbers (a timing from the interleaved rounds completed), and the others have a status that says where
+    the run was."""
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile scope {compile_scope!r}; choose from {COMPILE_SCOPES}")
     missing = torchao_available()
@@ -633,10 +664,18 @@ def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", 
     }
     limits = {name: getattr(torch._dynamo.config, name) for name in ("recompile_limit", "accumulated_recompile_limit")
               if hasattr(torch._dynamo.config, name)}
+    t0 = time.perf_counter()
     try:
         for size in sizes:
             out["sizes"][size.name] = measure_size(size, kinds, device, compile_backend, warmup, reps, budget_s, peaks,
                                                    log, compile_kinds, compile_scope)
+    except harness.Stopped as stop:  # keep what was measured: the sizes done and this one's variants so far
+        if getattr(stop, "size_result", None) is not None:
+            out["sizes"][size.name] = stop.size_result
+        out["stopped"] = (f"stopped by {stop} after {time.perf_counter() - t0:.0f} s, measuring {size.name}"
+                          + (f"; not run: {', '.join(s.name for s in sizes[sizes.index(size) + 1:])}"
+                             if size is not sizes[-1] else ""))
+        log(f"{out['stopped']}: writing what was measured")
     finally:  # measure_size raises them for its compiled variants
         for name, value in limits.items():
             setattr(torch._dynamo.config, name, value)
@@ -797,9 +836,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f} s] {message}", file=sys.stderr, flush=True)
 
-    data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend, args.warmup,
-               args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log, compile_kinds,
-               args.compile_scope)
+    with harness.stop_on_signals():  # under `timeout`: write what was measured before the limit
+        data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend,
+                   args.warmup, args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log,
+                   compile_kinds, args.compile_scope)
     data["total_s"] = time.perf_counter() - t_start
     data["config"]["cold_compile"] = args.cold_compile
     harness.write_result(args.json, env, command_line(args), **data)
@@ -812,6 +852,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n<!-- {name} -->\n{text}")
     print(f"\nwritten to {args.json} and {args.plot} in {data['total_s']:.0f} s; "
           "render the docs tables with python benchmarks/docs_tables.py", file=sys.stderr)
+    if "stopped" in data:
+        print(f"incomplete: {data['stopped']}", file=sys.stderr)
+        return 1
     return 0
 
 

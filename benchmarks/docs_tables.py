@@ -481,7 +481,11 @@ LLAMA_GPU_SPEEDUP, LLAMA_GPU_SIZE = 1.3, "llama3-8b"
 def _llama_caption(data: dict[str, Any]) -> str:
     note = ("no FP8 hardware: the FP8 GEMMs multiply FP8 values in float32 (ours) or dequantized values (torchao), so "
             "the speed ratios show the cost of the emulation, not FP8 speed")
-    return caption(data["environment"], data["command"], note)
+    text = caption(data["environment"], data["command"], note)
+    if data.get("stopped"):  # a run cut short by a time limit: say so above every table
+        text += (f"\n\n**Incomplete run ({data['stopped']}): variants timed in fewer rounds than asked for say so, the "
+                 "others say where the run stopped.**")
+    return text
 
 
 def _plural(n: int, word: str) -> str:
@@ -515,10 +519,12 @@ def _llama_ratio(variants: dict[str, Any], key: str, ref: str, field: str = "med
     return x(a[field] / b[field])
 
 
-def _ms_spread(v: dict[str, Any]) -> str:
+def _ms_spread(v: dict[str, Any], reps: int) -> str:
+    """The median in ms and the spread; ``reps``: the rounds asked for (an incomplete run may have fewer)."""
     med = v["median_s"]
+    rounds = len(v.get("times", ())) or reps
     return (f"{med * 1e3:.1f} ({100 * (v['fastest_s'] / med - 1):+.0f} % … "
-            f"{100 * (v['slowest_s'] / med - 1):+.0f} %)")
+            f"{100 * (v['slowest_s'] / med - 1):+.0f} %)" + (f", {rounds} of {reps} steps" if rounds < reps else ""))
 
 
 def llama_step_time(data: dict[str, Any] | None = None) -> str:
@@ -541,7 +547,7 @@ def llama_step_time(data: dict[str, Any] | None = None) -> str:
             row = [e["name"] if e else kind]
             for v, key, suffix in ((e, kind, ""), (c, kind + "+compile", "+compile")):
                 if _llama_ok(v):
-                    row += [_ms_spread(v), _llama_ratio(variants, key, LLAMA_BF16 + suffix),
+                    row += [_ms_spread(v, data['config']['reps']), _llama_ratio(variants, key, LLAMA_BF16 + suffix),
                             _llama_ratio(variants, key, LLAMA_TORCHAO + suffix),
                             _llama_ratio(variants, key, LLAMA_TORCHAO + suffix, "cpu_s")]
                 else:

@@ -9,7 +9,8 @@
 # test:    machine facts and tests/test_cuda.py (native GEMMs, compiled Triton casts, sync-free steps, Trainer fits),
 #          four pytest workers where pytest-xdist is installed.
 # Parts run in the order bench, profile, test (the bench alone on the GPU first), each under its own timeout; the
-# exit status is non-zero when a part failed or timed out.
+# exit status is non-zero when a part failed or timed out. A part that reaches its timeout gets SIGTERM (and SIGKILL
+# 20 s later): the benchmark and the profile still write the variants they measured (the JSON says the run stopped).
 # Sizing (H200, torch 2.11, 2026-11-27, a fresh machine, about 30 s to start): bench 287 s (compile budget 240,
 # block by block: all six compiled variants fitted), profile about 140 s for five variants (cold compiles; six are
 # asked for now), test about 215 s on one worker (unmeasured with four). `all` does not fit one call of at most
@@ -38,14 +39,14 @@ if has bench; then
     # mxfp8 is left out: its GEMMs are native on compute capability 10.0+ only (emulated, slower than bf16, before)
     kinds=bf16,torchao-tensorwise,torchao-rowwise,ours-tensorwise,ours-delayed,ours-rowwise,ours-blockwise
     [[ $(python3 -c "import torch; print(torch.cuda.get_device_capability()[0] >= 10)") == True ]] && kinds+=,ours-mxfp8
-    timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_llama.py --sizes "${SIZES:-llama3-8b}" --kinds "$kinds" \
+    timeout -k 20 "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_llama.py --sizes "${SIZES:-llama3-8b}" --kinds "$kinds" \
         --compile-kinds bf16,torchao-tensorwise,ours-tensorwise,ours-rowwise,ours-delayed,torchao-rowwise \
         --compile-budget "${COMPILE_BUDGET:-240}" --compile-scope "${COMPILE_SCOPE:-blocks}" --cold-compile --reps "${REPS:-7}" --json "$out/llama_gpu.json" --plot "$out/llama_gpu.png" \
         > "$out/bench.log" 2>&1
     rc=$?; echo "benchmark exit $rc"; ((rc)) && status=1; grep -v "Failed to load" "$out/bench.log" | tail -60
 fi
 if has profile; then
-    timeout "${PROFILE_TIMEOUT:-200}" python3 benchmarks/profile_kernels.py --size "${PROFILE_SIZE:-llama3-8b}" \
+    timeout -k 20 "${PROFILE_TIMEOUT:-200}" python3 benchmarks/profile_kernels.py --size "${PROFILE_SIZE:-llama3-8b}" \
         --kinds "${PROFILE_KINDS:-bf16,torchao-tensorwise,ours-tensorwise,ours-tensorwise:nostats,torchao-rowwise,ours-rowwise}" \
         --top 20 --json "$out/kernels_gpu.json" > "$out/kernels.md" 2> "$out/kernels.log"
     rc=$?; echo "profile exit $rc"; ((rc)) && status=1; grep -v "Failed to load" "$out/kernels.log" | tail -8; head -12 "$out/kernels.md"
@@ -59,7 +60,7 @@ torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
     } 2>&1 | grep -v "Failed to load\|register_constant" | tee "$out/env.txt"
     workers=-s  # the native-vs-emulated differences are printed; with pytest-xdist, four workers instead
     python3 -c "import xdist" 2>/dev/null && workers="-n 4"
-    timeout "${TEST_TIMEOUT:-220}" python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider --durations=8 $workers 2>&1 \
+    timeout -k 20 "${TEST_TIMEOUT:-220}" python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider --durations=8 $workers 2>&1 \
         | grep -v "Failed to load" | tee "$out/test_cuda.log" | grep -E "passed|failed|error|FAILED|ERROR|native vs|SKIP" | tail -40
     rc=${PIPESTATUS[0]}; echo "tests exit $rc"; ((rc)) && status=1
 fi

@@ -7,6 +7,8 @@ A benchmark script should read like the experiment it runs; what it needs around
   before/after comparison can tell the two trees apart) and the GEMM path;
 * :func:`interleaved`: times several variants in alternation (round-robin), so load drift on a shared
   machine hits all of them alike; reports the median and the fastest wall time and the process CPU time;
+* :func:`stop_on_signals`: a ``SIGTERM`` (``timeout``'s signal) raises :class:`Stopped`, so a script under a time
+  limit writes what it measured before the limit instead of losing the whole run;
 * :func:`ratio`, :func:`markdown_table`, :func:`write_report`: numbers as ratios to a baseline from the same
   run, a Markdown report and a JSON file with the raw numbers;
 * what one step costs besides time: :func:`saved_tensor_bytes` (bytes saved for backward), :func:`profile_step`
@@ -18,14 +20,16 @@ a test.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -121,25 +125,68 @@ class Timing:
     walls: list[float] = field(default_factory=list)  #: wall seconds per call of each round (the spread)
 
 
+class Stopped(BaseException):
+    """A signal asked the run to stop (see :func:`stop_on_signals`). A ``BaseException``, so the ``except Exception``
+    that a benchmark uses to record a failing variant and go on does not swallow it.
+
+    ``timings``: set by :func:`interleaved` when the signal came while it was timing: the rounds completed so far."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.timings: dict[str, Timing] = {}
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals: Sequence[int] = (signal.SIGTERM,)) -> Iterator[None]:
+    """Within the block, the first of ``signals`` raises :class:`Stopped` in the main thread (at the next Python
+    bytecode: a running kernel, GEMM or compilation finishes first) and later ones are ignored, so that writing the
+    partial results is not interrupted again. ``timeout`` sends ``SIGTERM``; run it with ``-k`` so that a process
+    stuck outside Python is still killed."""
+
+    def stop(signum: int, frame: Any) -> None:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _timings(wall: dict[str, list[float]], cpu: dict[str, list[float]], calls: int) -> dict[str, Timing]:
+    return {
+        name: Timing(statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name]),
+                     len(wall[name]) * calls, wall[name])
+        for name in wall if wall[name]
+    }
+
+
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int = 7, calls: int = 3, warmup: int = 2) -> dict[str, Timing]:
-    """Time each variant ``rounds`` times (``calls`` calls per measurement), round-robin across variants."""
+    """Time each variant ``rounds`` times (``calls`` calls per measurement), round-robin across variants.
+
+    Stopped by a signal (:func:`stop_on_signals`), the :class:`Stopped` it raises carries the timings of the rounds
+    completed so far (a variant whose round was cut short has one round fewer; one with none is left out)."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
     wall: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(calls):
-                fn()
-            wall[name].append((time.perf_counter() - t0) / calls)
-            cpu[name].append((time.process_time() - c0) / calls)
-    return {
-        name: Timing(statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name]), rounds * calls,
-                     wall[name])
-        for name in variants
-    }
+    try:
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(calls):
+                    fn()
+                wall[name].append((time.perf_counter() - t0) / calls)
+                cpu[name].append((time.process_time() - c0) / calls)
+    except Stopped as stop:
+        stop.timings = _timings(wall, cpu, calls)
+        raise
+    return _timings(wall, cpu, calls)
 
 
 def ratio(value: float, baseline: float) -> str:

@@ -267,3 +267,110 @@ def test_blocks_compile_scope_compiles_each_block_into_one_shared_graph():
                               warmup=3, reps=11, compile_budget=bench_llama.COMPILE_BUDGET_S, backend="inductor",
                               compile_scope="blocks")
     assert "--compile-scope blocks" in bench_llama.command_line(args)
+
+
+# ------------------------------------------------------------------------------ a run stopped by a time limit
+
+
+def _stop_at(monkeypatch, target: str, call: int) -> None:
+    """Send this process ``SIGTERM`` at the ``call``-th call (1-based) of ``harness.interleaved``'s timed functions
+    (``target="timing"``) or of the steps ``make_step`` builds (``target="steps"``), just before the call runs."""
+    import signal
+
+    calls = [0]
+
+    def stopping(fn):
+        def run():
+            calls[0] += 1
+            if calls[0] == call:
+                signal.raise_signal(signal.SIGTERM)
+            return fn()
+
+        return run
+
+    if target == "timing":
+        real = harness.interleaved
+        monkeypatch.setattr(harness, "interleaved",
+                            lambda variants, **kw: real({k: stopping(f) for k, f in variants.items()}, **kw))
+    else:
+        real_step = bench_llama.make_step
+        monkeypatch.setattr(bench_llama, "make_step", lambda *a: stopping(real_step(*a)))
+
+
+def _main(tmp_path, *flags: str) -> tuple[int, dict]:
+    import json
+
+    out = tmp_path / "llama.json"
+    rc = bench_llama.main(["--no-compile", "--kinds", "bf16,ours-tensorwise", "--warmup", "1", "--threads", "1",
+                           "--json", str(out), "--plot", str(tmp_path / "plot.png"), *flags])
+    return rc, json.loads(out.read_text())
+
+
+def test_sigterm_while_timing_keeps_the_rounds_completed(tmp_path, monkeypatch, capsys):
+    """``timeout``'s SIGTERM in the second timing round: the result file is still written, with the round both
+    variants completed and the one bf16 completed before the signal (ours was cut short), the run marked stopped and
+    the tables saying how many steps each timing has; the exit status says the run is incomplete, and the signal
+    handler is put back."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    _stop_at(monkeypatch, "timing", call=4)  # round 2: bf16's call is the 3rd, ours-tensorwise's the 4th
+    rc, data = _main(tmp_path, "--sizes", "test", "--reps", "3")
+    assert rc == 1 and signal.getsignal(signal.SIGTERM) is before
+    assert data["stopped"].startswith("stopped by SIGTERM after ") and "measuring test" in data["stopped"]
+    variants = data["sizes"]["test"]["variants"]
+    assert [len(variants[k]["times"]) for k in ("bf16", "ours-tensorwise")] == [2, 1]
+    assert all(v["status"] == "measured" and v["syncs"] == 0 for v in variants.values())  # profiled before timing
+    assert variants["ours-tensorwise"]["saved_bytes"] > 0
+    text = docs_tables.llama_step_time(data)
+    assert "**Incomplete run (stopped by SIGTERM" in text
+    assert ", 2 of 3 steps |" in text and ", 1 of 3 steps |" in text
+    assert "incomplete: stopped by SIGTERM" in capsys.readouterr().err
+
+
+def test_sigterm_before_timing_says_where_the_run_stopped(tmp_path, monkeypatch):
+    """SIGTERM during the warm-up of the second variant: nothing is timed, every variant's status says where the run
+    stopped, the sizes after it are listed as not run, and the tables render it."""
+    _stop_at(monkeypatch, "steps", call=2)  # warm-up: bf16's one step, then ours-tensorwise's
+    rc, data = _main(tmp_path, "--sizes", "test,tiny", "--reps", "2")
+    assert rc == 1 and list(data["sizes"]) == ["test"]
+    assert data["stopped"].endswith("measuring test; not run: tiny")
+    for v in data["sizes"]["test"]["variants"].values():
+        assert "median_s" not in v
+        assert v["status"] == 'not timed: run stopped by SIGTERM at "test: warm-up ours-tensorwise"'
+    text = docs_tables.llama_step_time(data)
+    assert text.count('not timed: run stopped by SIGTERM at "test: warm-up ours-tensorwise"') == 2
+    docs_tables.llama_tables(data)  # every table renders an incomplete run
+
+
+def test_timeout_on_the_command_line_still_writes_the_result(tmp_path):
+    """The real thing: the script in its own process, a SIGTERM from outside once it is timing (as `timeout` sends
+    it): exit status 1, and a result file with the timings of the rounds completed."""
+    import json
+    import signal
+    import subprocess
+
+    out = tmp_path / "llama.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_llama.py"), "--sizes", "test", "--no-compile", "--kinds",
+         "bf16,ours-tensorwise", "--warmup", "1", "--reps", "1000000", "--threads", "1", "--json", str(out),
+         "--plot", str(tmp_path / "plot.png")],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        for line in proc.stderr:
+            if "timing 2 variants" in line:
+                break
+        else:
+            pytest.fail(f"the script ended without timing (exit {proc.wait()})")
+        import time
+
+        time.sleep(1.0)  # some rounds
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 1, rest
+    finally:
+        proc.kill()
+    data = json.loads(out.read_text())
+    assert "stopped by SIGTERM" in data["stopped"] and "incomplete: stopped by SIGTERM" in rest
+    variants = data["sizes"]["test"]["variants"]
+    assert all(0 < len(v["times"]) < 1000000 and v["median_s"] > 0 for v in variants.values())
