@@ -512,6 +512,16 @@ def _llama_status(v: dict[str, Any] | None) -> str:
     return "not timed" if v["status"] == "measured" else v["status"]
 
 
+def _llama_unmeasured(v: dict[str, Any] | None) -> str:
+    """The cell of a field a variant lacks: its status, or, for a variant that was measured, that the run predates
+    the field."""
+    if v is None:
+        return ""
+    if v["status"] != "measured":
+        return v["status"]
+    return v.get("saved_bytes_unmeasured", "not measured in this run")
+
+
 def _llama_ratio(variants: dict[str, Any], key: str, ref: str, field: str = "median_s") -> str:
     a, b = variants.get(key), variants.get(ref)
     if not (_llama_ok(a) and _llama_ok(b)) or a.get(field) is None or not b.get(field):
@@ -577,13 +587,16 @@ def llama_memory(data: dict[str, Any] | None = None) -> str:
     data = data or load("llama.json")
     peak_source = next((v["peak_source"] for res in data["sizes"].values() for v in res["variants"].values()
                         if "peak_source" in v), "")
-    what = ("Bytes saved for backward by one forward (`saved_tensors_hooks`, eager: a compiled graph chooses what it "
-            "saves itself; each storage once, parameters not counted): in all at this size, then split by a second "
-            "forward at twice the batch into the activations (the part that grows with the tokens; in all, and the "
-            "Linear layers' alone) and the part that does not (the weights' bf16 or FP8 copies). Peak memory: one "
+    what = ("Bytes saved for backward by one forward (`saved_tensors_hooks`; each storage once, parameters not "
+            "counted): eager, in all at this size, then split by a second forward at twice the batch into the "
+            "activations (the part that grows with the tokens; in all, and the Linear layers' alone) and the part that "
+            "does not (the weights' bf16 or FP8 copies); compiled, in all only (what the compiled graphs keep after "
+            "the partitioner chose what to save and what to recompute in the backward; a second batch size would "
+            "compile again). Peak memory: one "
             f"training step, above its start after `zero_grad` ({peak_source}). Ratios to bf16 in the same mode. None "
             "of these depends on the speed of the machine.")
     out = [_llama_caption(data), "", what]
+    compiled = any(v["compiled"] for res in data["sizes"].values() for v in res["variants"].values())
 
     def mib(v: dict[str, Any] | None, field: str) -> str:
         return f"{v[field] / 2**20:.2f}" if v and v.get(field) is not None else ""
@@ -599,14 +612,19 @@ def llama_memory(data: dict[str, Any] | None = None) -> str:
         rows = []
         for kind in _llama_kinds(data):
             e, c = variants.get(kind), variants.get(kind + "+compile")
-            rows.append([e["name"] if e else kind, mib(e, "saved_bytes"), rel(e, b, "saved_bytes"),
-                         rel(e, b, "activation_bytes"), rel(e, b, "activation_bytes_linear"), rel(e, b, "fixed_bytes"),
-                         mib(e, "peak_bytes"), rel(e, b, "peak_bytes"),
-                         mib(c, "peak_bytes") or (_llama_status(c) if c else ""), rel(c, bc, "peak_bytes")])
-        out += ["", _llama_size_head(res["size"]) + ":", "",
-                table(["variant", "saved for backward: MiB", "× bf16", "activations × bf16",
-                       "Linear layers' activations × bf16", "weight copies × bf16", "peak, eager: MiB", "× bf16",
-                       "peak, compiled: MiB", "× bf16 compiled"], rows)]
+            row = [e["name"] if e else kind, mib(e, "saved_bytes"), rel(e, b, "saved_bytes"),
+                   rel(e, b, "activation_bytes"), rel(e, b, "activation_bytes_linear"), rel(e, b, "fixed_bytes"),
+                   mib(e, "peak_bytes"), rel(e, b, "peak_bytes")]
+            if compiled:
+                row += [mib(c, "saved_bytes") or _llama_unmeasured(c), rel(c, bc, "saved_bytes"),
+                        mib(c, "peak_bytes"), rel(c, bc, "peak_bytes")]
+            rows.append(row)
+        headers = ["variant", "saved for backward, eager: MiB", "× bf16", "activations × bf16",
+                   "Linear layers' activations × bf16", "weight copies × bf16", "peak, eager: MiB", "× bf16"]
+        if compiled:
+            headers += ["saved for backward, compiled: MiB", "× bf16 compiled", "peak, compiled: MiB",
+                        "× bf16 compiled"]
+        out += ["", _llama_size_head(res["size"]) + ":", "", table(headers, rows)]
     return "\n".join(out)
 
 
@@ -713,6 +731,16 @@ def llama_targets(data: dict[str, Any] | None = None) -> str:
                 return x(r), r <= LLAMA_SAVED_TARGET
 
             rows.append([f"`{recipe}`: saved for backward, {what} ≤ {LLAMA_SAVED_TARGET:.2f} × bf16", *cells(saved)])
+        if compiled:
+            def saved_compiled(variants: dict[str, Any], kind: str = kind) -> tuple[str, bool | None]:
+                v, b = variants.get(kind + "+compile"), variants.get(LLAMA_BF16 + "+compile")
+                if not v or not b or v.get("saved_bytes") is None or not b.get("saved_bytes"):
+                    return _llama_unmeasured(v), None
+                r = v["saved_bytes"] / b["saved_bytes"]
+                return x(r), r <= LLAMA_SAVED_TARGET
+
+            rows.append([f"`{recipe}`, compiled: saved for backward, in all, at this size ≤ {LLAMA_SAVED_TARGET:.2f} × "
+                         "bf16 compiled", *cells(saved_compiled)])
 
     def worst(field: str, compiled_only: bool) -> Callable[[dict[str, Any]], tuple[str, bool | None]]:
         def fn(variants: dict[str, Any]) -> tuple[str, bool | None]:

@@ -173,6 +173,45 @@ def test_saved_bytes_split(result):
     assert variants["ours-delayed"]["activation_bytes_linear"] == ours["activation_bytes_linear"]
 
 
+def test_compiled_saved_bytes_are_measured(tmp_path):
+    """A compiled variant's bytes saved for backward are measured (in all: what the compiled graph keeps), here
+    through AOTAutograd (``aot_eager``) on one FP8 layer: exactly its FP8 input copy and scale; no recompilation."""
+    base = nn.Sequential(nn.Linear(64, 128, bias=False))
+    x = torch.randn(32, 64)
+    variant = bench_llama.build_variant("ours-tensorwise", base, "cpu", "aot_eager")
+    for _ in range(2):
+        bench_llama.forward_backward(variant, x)
+    before = harness.dynamo_counts()
+    saved = bench_llama.saved_for_backward_compiled(variant, x, list(base.parameters()))["saved_bytes"]
+    bench_llama.forward_backward(variant, x)
+    assert harness.dynamo_counts()["graphs"] == before["graphs"]
+    # the FP8 copy of the input and its float32 scale (grad_weight's operand); the input needs no gradient, so the
+    # weight's copy is not kept. Under backend "eager" the hooks would see neither.
+    assert saved == 32 * 64 + 4
+
+
+def test_compiled_saved_bytes_in_the_tables(result):
+    """The memory table shows compiled bytes saved against compiled bf16's and the targets table judges them; a
+    variant compiled with ``backend="eager"`` (the fixture's), whose FP8 copies bypass the hooks, and a result file
+    from before the field say why there is no number instead of a blank or "not timed"."""
+    variants = result["sizes"]["test"]["variants"]
+    assert variants["ours-tensorwise+compile"]["saved_bytes_unmeasured"] == bench_llama.SAVED_UNMEASURED_EAGER_BACKEND
+    assert bench_llama.SAVED_UNMEASURED_EAGER_BACKEND in docs_tables.llama_memory(result)
+    data = copy.deepcopy(result)
+    v = data["sizes"]["test"]["variants"]
+    v["bf16+compile"] = dict(variants["bf16"], kind="bf16", compiled=True, name="bf16 autocast + compile")
+    v["ours-tensorwise+compile"]["saved_bytes"] = v["bf16"]["saved_bytes"] // 2
+    memory = docs_tables.llama_memory(data)
+    assert "saved for backward, compiled: MiB" in memory
+    row = next(line for line in memory.splitlines() if line.startswith("| ours tensorwise |"))
+    assert f"| {v['bf16']['saved_bytes'] // 2 / 2**20:.2f} | 0.50× |" in row
+    assert ("`tensorwise`, compiled: saved for backward, in all, at this size ≤ 0.55 × bf16 compiled | 0.50×: met"
+            in docs_tables.llama_targets(data))
+    del v["ours-tensorwise+compile"]["saved_bytes"], v["ours-tensorwise+compile"]["saved_bytes_unmeasured"]
+    assert "not measured in this run" in docs_tables.llama_memory(data)
+    assert ("`tensorwise`, compiled: saved for backward, in all, at this size ≤ 0.55 × bf16 compiled | "
+            "not measured in this run: n/a") in docs_tables.llama_targets(data)
+
 def test_docs_tables_render_the_result(result):
     tables = docs_tables.llama_tables(result)
     assert set(tables) == {"llama_step_time.md", "llama_memory.md", "llama_compile.md", "llama_targets.md"}
