@@ -71,7 +71,14 @@ def amax_bins(amax: Tensor) -> Tensor:
     Bin 0 counts zero amaxes, bin ``1 + e - AMAX_BIN_LOW`` those with ``floor(log2(amax)) == e`` (``e`` clamped to
     ``[AMAX_BIN_LOW, AMAX_BIN_HIGH]``), the last bin non-finite ones.
 
-    The counting is done in int32 and widened to int64 after: inductor cannot add int64 atomically, so an int64
+    ``floor(log2(amax))`` is read from the float32 bits: ``biased exponent - 127`` for a normal number (a subnormal's
+    is below -126, clamped to ``AMAX_BIN_LOW`` like the normal numbers there); biased exponent 255 is infinity or NaN.
+    Eager, a 256-entry table maps the biased exponent to its bin, so one cast's histogram is six kernels (shift,
+    table lookup, zero test, select, zeros, ``index_add_``): it runs at every row-wise or block cast with statistics,
+    and eager on a GPU each small kernel costs a launch (the formula with ``frexp`` and ``isfinite`` was about
+    twenty). Compiled, the same bins come from the exponent arithmetic, which inductor fuses into one kernel.
+
+    The compiled count is done in int32 and widened to int64 after: inductor cannot add int64 atomically, so an int64
     ``index_add_`` compiled to an accumulating ``aten.index_put_``, which CUDA runs by sorting the indices and walking
     each bin's duplicates one by one (almost every slice lands in a few bins: on an H200, 8.9 ms of a compiled
     ``rowwise`` Llama3-8B-shaped block's 29 ms). In int32 inductor emits one atomic-add kernel. One cast has fewer than
@@ -82,16 +89,52 @@ def amax_bins(amax: Tensor) -> Tensor:
     which torch then runs deterministically.
     """
     amax = amax.reshape(-1).to(torch.float32)
-    exponent = torch.frexp(amax).exponent - 1  # amax = m * 2**(exponent + 1), 0.5 <= m < 1: floor(log2(amax))
-    index = exponent.clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
+    biased = amax.view(torch.int32) >> 23  # sign and exponent: a negative value (never an amax) wraps below
+    if not torch.compiler.is_compiling():
+        index = torch.where(amax == 0, 0, _exponent_bins(amax.device)[biased])  # -256..-1 index the same entries
+        bins = torch.zeros(N_AMAX_BINS, dtype=torch.int64, device=amax.device)
+        return bins.index_add_(0, index, _one(amax.device).expand(index.shape))
+    biased = biased & 0xFF
+    index = (biased - 127).clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
+    index = torch.where(biased == 255, N_AMAX_BINS - 1, index)
     index = torch.where(amax == 0, 0, index)
-    index = torch.where(torch.isfinite(amax), index, N_AMAX_BINS - 1)
-    if torch.compiler.is_compiling() and torch.are_deterministic_algorithms_enabled():
+    if torch.are_deterministic_algorithms_enabled():
         every_bin = torch.arange(N_AMAX_BINS, device=amax.device, dtype=index.dtype)
         return (index.unsqueeze(-1) == every_bin).sum(0, dtype=torch.int64)
     bins = torch.zeros(N_AMAX_BINS, dtype=torch.int32, device=amax.device)
     bins.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int32))
     return bins.to(torch.int64)
+
+
+_CONSTANTS: dict[tuple[str, torch.device], Tensor] = {}
+
+
+def _device_constant(name: str, device: torch.device, make: Callable[[torch.device], Tensor]) -> Tensor:
+    """``make(device)``, made once per device and name. A tensor made under a tracing mode (a ``FakeTensor``) is used
+    but not kept, so a later real call never sees it."""
+    key = (name, device)
+    value = _CONSTANTS.get(key)
+    if value is None:
+        value = make(device)
+        if type(value) is torch.Tensor:
+            _CONSTANTS[key] = value
+    return value
+
+
+def _exponent_bins(device: torch.device) -> Tensor:
+    """The eager lookup table of :func:`amax_bins`: entry ``b`` (``0 <= b < 256``) is the bin of a non-zero float32
+    whose biased exponent is ``b``, int64, on ``device``."""
+
+    def make(device: torch.device) -> Tensor:
+        table = (torch.arange(256, device=device) - 127).clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
+        return table.index_fill_(0, torch.tensor([255], device=device), N_AMAX_BINS - 1)
+
+    return _device_constant("exponent bins", device, make)
+
+
+def _one(device: torch.device) -> Tensor:
+    """An int64 one on ``device``, expanded to the size of each eager histogram's index."""
+    return _device_constant("one", device, lambda device: torch.ones(1, dtype=torch.int64, device=device))
 
 
 class Quantized(NamedTuple):

@@ -122,6 +122,76 @@ def test_amax_histogram_bins_powers_of_two():
     assert nonzero[1] == 1 and nonzero[last - 1] == 1  # 3e-30 and 1e30 clamp into the outer bins
 
 
+def test_amax_histogram_of_any_float32_matches_the_bin_rule():
+    """Every float32 bit pattern (random ones: subnormals, negative values, NaNs with either sign) lands in the bin
+    the documented rule gives its magnitude, eager and compiled alike."""
+    import math
+
+    torch.manual_seed(0)
+    values = torch.randint(-(2**31), 2**31 - 1, (50000,), dtype=torch.int32).view(torch.float32)
+    values = torch.cat([values, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0**-126, 2.0**-65, 2.0**-64, 2.0**63, 2.0**64])])
+    low, high = lf.quantize.AMAX_BIN_LOW, lf.quantize.AMAX_BIN_HIGH
+    expected = [0] * N_AMAX_BINS
+    for v in values.tolist():
+        if not math.isfinite(v):
+            expected[-1] += 1
+        elif v == 0:
+            expected[0] += 1
+        else:
+            expected[1 + min(max(math.floor(math.log2(abs(v))), low), high) - low] += 1
+    expected = torch.tensor(expected)
+    assert torch.equal(amax_bins(values), expected)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(amax_bins, fullgraph=True, backend="aot_eager")(values), expected)
+
+
+def test_amax_histogram_is_six_kernels_eager():
+    """Eager, one histogram (at every row-wise or block cast with statistics) is six kernels: a GPU launches each
+    one, and the formula with ``frexp`` and ``isfinite`` took about twenty."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = {"view", "_unsafe_view", "detach", "expand", "scalar_tensor", "reshape"}  # no kernel: views, CPU scalars
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in free:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    amax = torch.rand(4096, 1) * 10
+    amax_bins(amax)  # the lookup table is made once per device
+    with Kernels() as kernels:
+        amax_bins(amax)
+    assert len(kernels.ops) == 6, kernels.ops
+
+
+def test_amax_histogram_constants_survive_modes(monkeypatch):
+    """The eager histogram's per-device constants: made under ``inference_mode`` they still serve a training step
+    after it; made under a ``FakeTensorMode`` (a tracer) they are not kept, so a real call after it counts right; on
+    the meta device the histogram has its shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(lf.quantize, "_CONSTANTS", {})
+    amax = torch.tensor([0.0, 1.5, 3.0, float("nan")])
+    expected = torch.zeros(N_AMAX_BINS, dtype=torch.int64)
+    one_bin = 1 - lf.quantize.AMAX_BIN_LOW
+    expected[[0, one_bin, one_bin + 1, N_AMAX_BINS - 1]] = 1
+    with FakeTensorMode() as mode:
+        assert amax_bins(mode.from_tensor(amax)).shape == (N_AMAX_BINS,)
+    assert lf.quantize._CONSTANTS == {}
+    with torch.inference_mode():
+        assert torch.equal(amax_bins(amax), expected)
+    assert torch.equal(amax_bins(amax), expected)
+    w = torch.randn(8, 4, requires_grad=True)  # a training-mode cast after it, with autograd recording
+    q = quantize(w, FP8Recipe(name="rowwise").cast_specs().forward[1])
+    assert int(q.stats.amax_bins.sum()) == 8
+    assert amax_bins(torch.rand(5, device="meta")).shape == (N_AMAX_BINS,)
+
+
 # --- GEMM: emulation math and the CUDA contract of each scaling type ------------------------------------------------
 
 

@@ -127,6 +127,9 @@ def test_scales_are_computed_once_per_scale_element_under_compile(recipe):
 _AMAXES = torch.cat([
     torch.rand(5000) * 3 + 0.5,
     torch.tensor([0.0, 0.0, 3e-30, 1e30, 2.0**-64, 2.0**63, float("inf"), float("-inf"), float("nan")]),
+    # negative zero, subnormals, the edges of the float32 exponent range, a NaN with its sign bit set
+    torch.tensor([-0.0, 1e-40, 2.0**-149, 2.0**-126, 2.0**-65, 2.0**64, 3.4e38]),
+    torch.tensor([-1], dtype=torch.int32).view(torch.float32),
     torch.randn(997).abs() * 1e-3,
 ])
 
