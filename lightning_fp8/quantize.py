@@ -76,7 +76,8 @@ def amax_bins(amax: Tensor) -> Tensor:
     Eager, a 256-entry table maps the biased exponent to its bin, so one cast's histogram is six kernels (shift,
     table lookup, zero test, select, zeros, ``index_add_``): it runs at every row-wise or block cast with statistics,
     and eager on a GPU each small kernel costs a launch (the formula with ``frexp`` and ``isfinite`` was about
-    twenty). Compiled, the same bins come from the exponent arithmetic, which inductor fuses into one kernel.
+    twenty). Compiled (and for a tensor subclass or a tracer's ``FakeTensor``), the same bins come from the exponent
+    arithmetic, which inductor fuses into one kernel.
 
     The compiled count is done in int32 and widened to int64 after: inductor cannot add int64 atomically, so an int64
     ``index_add_`` compiled to an accumulating ``aten.index_put_``, which CUDA runs by sorting the indices and walking
@@ -90,15 +91,16 @@ def amax_bins(amax: Tensor) -> Tensor:
     """
     amax = amax.reshape(-1).to(torch.float32)
     biased = amax.view(torch.int32) >> 23  # sign and exponent: a negative value (never an amax) wraps below
-    if not torch.compiler.is_compiling():
+    if type(amax) is torch.Tensor and not torch.compiler.is_compiling():  # eager on a plain tensor: the table
         index = torch.where(amax == 0, 0, _exponent_bins(amax.device)[biased])  # -256..-1 index the same entries
         bins = torch.zeros(N_AMAX_BINS, dtype=torch.int64, device=amax.device)
         return bins.index_add_(0, index, _one(amax.device).expand(index.shape))
+    # compiled, or a tensor subclass or a tracer's tensor (a FakeTensor), which a cached real table must not meet
     biased = biased & 0xFF
     index = (biased - 127).clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
     index = torch.where(biased == 255, N_AMAX_BINS - 1, index)
     index = torch.where(amax == 0, 0, index)
-    if torch.are_deterministic_algorithms_enabled():
+    if torch.compiler.is_compiling() and torch.are_deterministic_algorithms_enabled():
         every_bin = torch.arange(N_AMAX_BINS, device=amax.device, dtype=index.dtype)
         return (index.unsqueeze(-1) == every_bin).sum(0, dtype=torch.int64)
     bins = torch.zeros(N_AMAX_BINS, dtype=torch.int32, device=amax.device)
@@ -154,14 +156,17 @@ class Quantized(NamedTuple):
 def saturated_cast(x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """Cast an already-scaled float32 tensor to ``fp8_dtype``: finite values saturate, NaN/Inf -> NaN."""
     max_value = fp8_max(fp8_dtype)
-    nan = float("nan")
     if torch.compiler.is_compiling():
         # the same bits in a form inductor vectorises on CPU (its nan_to_num tests each element for NaN in a scalar
         # loop): every non-finite value becomes the positive NaN that nan_to_num writes (chosen after the clamp, whose
-        # vectorised form may flip a NaN's sign bit)
+        # vectorised form may flip a NaN's sign bit). The NaN is computed (inf - inf, NaN - NaN; abs clears the sign),
+        # not a literal: graph nodes holding a NaN constant never compare equal (nan != nan), so AOTAutograd's
+        # common-subexpression elimination could not merge the identical casts of one input by sibling layers
+        # (q/k/v, gate/up), and the partitioner then saved each sibling's FP8 copy for backward.
         clamped = x_scaled.clamp(-max_value, max_value)
-        return torch.where(x_scaled.abs() < float("inf"), clamped, nan).to(fp8_dtype)
+        return torch.where(x_scaled.abs() < float("inf"), clamped, (x_scaled - x_scaled).abs()).to(fp8_dtype)
     # nan_to_num maps ±Inf to NaN (one pass; NaN survives the clamp), cheaper than isfinite + where.
+    nan = float("nan")
     return torch.nan_to_num(x_scaled, nan=nan, posinf=nan, neginf=nan).clamp(-max_value, max_value).to(fp8_dtype)
 
 

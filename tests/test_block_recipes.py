@@ -190,6 +190,13 @@ def test_amax_histogram_constants_survive_modes(monkeypatch):
     q = quantize(w, FP8Recipe(name="rowwise").cast_specs().forward[1])
     assert int(q.stats.amax_bins.sum()) == 8
     assert amax_bins(torch.rand(5, device="meta")).shape == (N_AMAX_BINS,)
+    # a tracer after real calls (the table is cached by now): its FakeTensors never meet the real table
+    with FakeTensorMode() as mode:
+        assert amax_bins(mode.from_tensor(amax)).shape == (N_AMAX_BINS,)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(amax_bins, tracing_mode="symbolic")(amax)
+    assert torch.equal(traced(amax), expected)
 
 
 # --- GEMM: emulation math and the CUDA contract of each scaling type ------------------------------------------------

@@ -142,3 +142,42 @@ def test_delayed_accumulation_with_eval_forwards_on_the_same_input(eval_ctx, mon
         return outs
 
     _assert_equal_runs(run(True), run(False))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_siblings_cast_their_shared_input_once(recipe):
+    """Compiled, three layers reading one input (q/k/v) cast it once: the graph traces each layer's cast, and the
+    min-cut partitioner's (inductor's) common-subexpression elimination merges the identical ones. A NaN literal in
+    the cast (the value of non-finite elements) defeated it (``nan != nan``, so no two casts compared equal): each
+    sibling kept its own cast, and the partitioner, which may not recompute the later ones, saved their FP8 copies for
+    backward (in a Llama block, one more FP8 copy of the block's input per sibling than torchao keeps)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    class QKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(64, 64, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) * self.v(x)
+
+    graphs = []
+
+    def forward_compiler(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm, partition_fn=min_cut_rematerialization_partition)
+    model = QKV()
+    lf.convert_to_fp8(model, recipe=recipe, log_summary=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(32, 64, requires_grad=True)
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        out = compiled(x)
+    out.sum().backward()
+    conversions = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+    casts = [n for n in graphs[0].graph.nodes if n.target in conversions
+             and n.meta["val"].dtype == torch.float8_e4m3fn and tuple(n.meta["val"].shape) == (32, 64)]
+    assert len(casts) == (1 if recipe == "tensorwise" else 2), [n.name for n in casts]  # rowwise: along each axis
