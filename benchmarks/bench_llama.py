@@ -586,6 +586,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
             reference = kind if kind in steps else "bf16" if "bf16" in steps else None
             if reference is None:
                 continue
+            note(f"{size.name}: checking the gradients of {key} against {reference}'s")
             check = gradient_check(variants[key], variants[reference], x, params, optimizer)
             results[key]["gradient_check"] = check
             note(f"{size.name}: {key} gradients against {reference}'s: relative difference "
@@ -608,11 +609,12 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
 
             def run() -> Any:
                 c0 = harness.dynamo_counts()
-                out = fn()
-                c1 = harness.dynamo_counts()
-                changes[key]["graphs"] += c1["graphs"] - c0["graphs"]
-                changes[key]["graph_breaks"] += c1["graph_breaks"] - c0["graph_breaks"]
-                return out
+                try:
+                    return fn()
+                finally:  # also when a stop cuts the call short: a recompilation it started still counts
+                    c1 = harness.dynamo_counts()
+                    changes[key]["graphs"] += c1["graphs"] - c0["graphs"]
+                    changes[key]["graph_breaks"] += c1["graph_breaks"] - c0["graph_breaks"]
 
             return run
 
@@ -687,21 +689,25 @@ def run(sizes: list[Size], kinds: tuple[str, ...] = KINDS, device: str = "cpu", 
     limits = {name: getattr(torch._dynamo.config, name) for name in ("recompile_limit", "accumulated_recompile_limit")
               if hasattr(torch._dynamo.config, name)}
     t0 = time.perf_counter()
+    done: list[str] = []
     try:
         for size in sizes:
             out["sizes"][size.name] = measure_size(size, kinds, device, compile_backend, warmup, reps, budget_s, peaks,
                                                    log, compile_kinds, compile_scope)
+            done.append(size.name)
+        out["load_average_end"] = harness.load_average()
     except harness.Stopped as stop:  # keep what was measured: the sizes done and this one's variants so far
-        if getattr(stop, "size_result", None) is not None:
-            out["sizes"][size.name] = stop.size_result
-        out["stopped"] = (f"stopped by {stop} after {time.perf_counter() - t0:.0f} s, measuring {size.name}"
-                          + (f"; not run: {', '.join(s.name for s in sizes[sizes.index(size) + 1:])}"
-                             if size is not sizes[-1] else ""))
+        current = next((s for s in sizes if s.name not in done), None)
+        if current is not None and getattr(stop, "size_result", None) is not None:
+            out["sizes"][current.name] = stop.size_result
+        left = [s.name for s in sizes if s.name not in done and s is not current]
+        out["stopped"] = (f"stopped by {stop} after {time.perf_counter() - t0:.0f} s"
+                          + (f", measuring {current.name}" if current is not None else ", after the last size")
+                          + (f"; not run: {', '.join(left)}" if left else ""))
         log(f"{out['stopped']}: writing what was measured")
     finally:  # measure_size raises them for its compiled variants
         for name, value in limits.items():
             setattr(torch._dynamo.config, name, value)
-    out["load_average_end"] = harness.load_average()
     return out
 
 
@@ -718,6 +724,9 @@ def plot(data: dict[str, Any], path: str) -> None:
     from matplotlib.ticker import FixedLocator, NullFormatter
 
     sizes = list(data["sizes"])
+    if not sizes:  # a run stopped before its first size was measured
+        print(f"no plot: no size was measured ({data.get('stopped', 'empty result')})", file=sys.stderr)
+        return
     fig, axes = plt.subplots(len(sizes), 2, figsize=(12, 0.7 + 3.4 * len(sizes)), squeeze=False)
     for row, name in enumerate(sizes):
         variants = data["sizes"][name]["variants"]
@@ -858,13 +867,19 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f} s] {message}", file=sys.stderr, flush=True)
 
-    with harness.stop_on_signals():  # under `timeout`: write what was measured before the limit
-        data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend,
-                   args.warmup, args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log,
-                   compile_kinds, args.compile_scope)
-    data["total_s"] = time.perf_counter() - t_start
-    data["config"]["cold_compile"] = args.cold_compile
-    harness.write_result(args.json, env, command_line(args), **data)
+    # under `timeout`: a SIGTERM stops the measuring and the result is still written; the signals stay handled (a
+    # second one ignored) until the result file is
+    with harness.stop_on_signals():
+        try:
+            data = run([SIZES[n] for n in names], kinds, args.device, None if args.no_compile else args.backend,
+                       args.warmup, args.reps, args.compile_budget, args.peak_bf16_tflops, args.peak_fp8_tflops, log,
+                       compile_kinds, args.compile_scope)
+        except harness.Stopped as stop:  # before the first size began: nothing measured, nothing to write
+            print(f"stopped by {stop} before anything was measured", file=sys.stderr)
+            return 1
+        data["total_s"] = time.perf_counter() - t_start
+        data["config"]["cold_compile"] = args.cold_compile
+        harness.write_result(args.json, env, command_line(args), **data)
     with open(args.json) as f:
         data = json.load(f)
     plot(data, args.plot)

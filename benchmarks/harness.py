@@ -158,11 +158,15 @@ def stop_on_signals(signals: Sequence[int] = (signal.SIGTERM,)) -> Iterator[None
 
 
 def _timings(wall: dict[str, list[float]], cpu: dict[str, list[float]], calls: int) -> dict[str, Timing]:
-    return {
-        name: Timing(statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name]),
-                     len(wall[name]) * calls, wall[name])
-        for name in wall if wall[name]
-    }
+    """The rounds each variant completed (a stop between a round's two appends leaves one list a round longer)."""
+    out = {}
+    for name in wall:
+        rounds = min(len(wall[name]), len(cpu[name]))
+        if rounds:
+            walls = wall[name][:rounds]
+            out[name] = Timing(statistics.median(walls), min(walls), statistics.median(cpu[name][:rounds]),
+                               rounds * calls, walls)
+    return out
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], rounds: int = 7, calls: int = 3, warmup: int = 2) -> dict[str, Timing]:

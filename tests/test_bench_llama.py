@@ -413,3 +413,69 @@ def test_timeout_on_the_command_line_still_writes_the_result(tmp_path):
     assert "stopped by SIGTERM" in data["stopped"] and "incomplete: stopped by SIGTERM" in rest
     variants = data["sizes"]["test"]["variants"]
     assert all(0 < len(v["times"]) < 1000000 and v["median_s"] > 0 for v in variants.values())
+
+
+def test_timings_keep_only_whole_rounds():
+    """A stop between a round's wall-time and CPU-time appends leaves one list longer: the timing keeps the rounds
+    both have (it used to take the median of an empty list, and the error replaced the stop: no result file)."""
+    timings = harness._timings({"a": [1.0, 2.0, 3.0], "b": [5.0]}, {"a": [0.5, 1.0], "b": []}, calls=1)
+    assert list(timings) == ["a"] and timings["a"].walls == [1.0, 2.0] and timings["a"].calls == 2
+
+
+def test_second_sigterm_while_writing_is_ignored(tmp_path, monkeypatch):
+    """A second SIGTERM while the result file is being written (``timeout`` sends one; a job scheduler may send
+    another) is ignored until the file is written."""
+    import signal
+
+    _stop_at(monkeypatch, "timing", call=2)
+    real = harness.write_result
+
+    def write_after_another_signal(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "write_result", write_after_another_signal)
+    rc, data = _main(tmp_path, "--sizes", "test", "--reps", "2")
+    assert rc == 1 and "stopped by SIGTERM" in data["stopped"]
+
+
+def test_sigterm_before_a_size_or_after_the_last_still_writes(tmp_path, monkeypatch):
+    """A stop while the first size's model is being built writes a file with no sizes (no plot, tables render); one
+    after the last size, while the end of the run is noted, keeps every size."""
+    import signal
+
+    real_stack = bench_llama.make_stack
+
+    def stop_then_build(*args):
+        signal.raise_signal(signal.SIGTERM)
+        return real_stack(*args)
+
+    monkeypatch.setattr(bench_llama, "make_stack", stop_then_build)
+    rc, data = _main(tmp_path, "--sizes", "test", "--reps", "2")
+    assert rc == 1 and data["sizes"] == {} and data["stopped"].endswith("measuring test")
+    docs_tables.llama_tables(data)
+    monkeypatch.setattr(bench_llama, "make_stack", real_stack)
+    real_load = harness.load_average
+    calls = [0]
+
+    def stop_at_the_end():
+        calls[0] += 1
+        if calls[0] == 2:  # the first is the environment's, at the start
+            signal.raise_signal(signal.SIGTERM)
+        return real_load()
+
+    monkeypatch.setattr(harness, "load_average", stop_at_the_end)
+    rc, data = _main(tmp_path, "--sizes", "test", "--reps", "2")
+    assert rc == 1 and data["stopped"].endswith("after the last size")
+    assert all("median_s" in v for v in data["sizes"]["test"]["variants"].values())
+
+
+def test_compiled_saved_bytes_target_names_a_missing_reference(result):
+    """Ours measured, compiled bf16 not: the target row says the reference is missing, not that ours was not
+    measured."""
+    data = copy.deepcopy(result)
+    v = data["sizes"]["test"]["variants"]
+    v["ours-tensorwise+compile"]["saved_bytes"] = 1000
+    v.pop("bf16+compile", None)
+    assert ("`tensorwise`, compiled: saved for backward, in all, at this size ≤ 0.55 × bf16 compiled | "
+            "no compiled bf16 reference (not run): n/a") in docs_tables.llama_targets(data)
