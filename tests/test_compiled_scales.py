@@ -30,6 +30,7 @@ from torch._inductor.utils import run_and_get_code
 import lightning_fp8 as lf
 from lightning_fp8.quantize import N_AMAX_BINS, amax_bins
 from lightning_fp8.recipe import RECIPES, stored
+from utils import reference_amax_bins
 
 #: tokens, in features, out features: every tensor the step casts has at least TOKENS * IN elements, every scale
 #: tensor far fewer (the largest, mxfp8's weight scales, OUT * IN / 32)
@@ -134,22 +135,6 @@ _AMAXES = torch.cat([
 ])
 
 
-def _reference_bins(amax: torch.Tensor) -> torch.Tensor:
-    """The histogram counted in Python, one amax at a time, by the documented bin rule."""
-    import math
-
-    low, high = lf.quantize.AMAX_BIN_LOW, lf.quantize.AMAX_BIN_HIGH
-    counts = [0] * N_AMAX_BINS
-    for value in amax.tolist():
-        if not math.isfinite(value):
-            counts[-1] += 1
-        elif value == 0:
-            counts[0] += 1
-        else:
-            counts[1 + min(max(math.floor(math.log2(value)), low), high) - low] += 1
-    return torch.tensor(counts, dtype=torch.int64)
-
-
 @pytest.fixture
 def deterministic(request):
     """``torch.use_deterministic_algorithms`` set to the test's parameter, restored after."""
@@ -166,7 +151,7 @@ def test_amax_bins_compiles_without_a_sorting_scatter(deterministic):
     bins, codes = run_and_get_code(compiled, _AMAXES)
     code = "\n".join(codes)
     assert "index_put_(" not in code, "amax_bins falls back to aten.index_put_ (a sorting kernel on CUDA)"
-    expected = _reference_bins(_AMAXES)
+    expected = reference_amax_bins(_AMAXES)
     assert bins.dtype == torch.int64 and torch.equal(bins, expected)
     assert torch.equal(amax_bins(_AMAXES), expected)  # eager: the same counts
 

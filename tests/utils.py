@@ -80,3 +80,23 @@ def bench_result(tmp_path_factory, name: str, command: str, measure) -> dict:
     path = tmp_path_factory.mktemp(name) / f"{name}.json"
     harness.write_result(str(path), harness.environment(), command, **data)
     return json.loads(path.read_text())
+
+
+def reference_amax_bins(amax) -> "torch.Tensor":
+    """The amax histogram (``lightning_fp8.quantize.amax_bins``) counted in Python, one value at a time, by the
+    documented bin rule (of the magnitude: a negative value, which no amax is, lands where its absolute value does)."""
+    import math
+
+    import torch
+
+    from lightning_fp8.quantize import AMAX_BIN_HIGH, AMAX_BIN_LOW, N_AMAX_BINS
+
+    counts = [0] * N_AMAX_BINS
+    for value in amax.reshape(-1).tolist():
+        if not math.isfinite(value):
+            counts[-1] += 1
+        elif value == 0:
+            counts[0] += 1
+        else:
+            counts[1 + min(max(math.floor(math.log2(abs(value))), AMAX_BIN_LOW), AMAX_BIN_HIGH) - AMAX_BIN_LOW] += 1
+    return torch.tensor(counts, dtype=torch.int64)
