@@ -10,8 +10,7 @@
 #          four pytest workers where pytest-xdist is installed.
 # Parts run in the order bench, profile, test (the bench alone on the GPU first), each under its own timeout; the
 # exit status is non-zero when a part failed or timed out. A part that reaches its timeout gets SIGTERM (and SIGKILL
-# 20 s later): the benchmark still writes what it measured (its JSON says the run stopped); the profile has written
-# its JSON after each variant.
+# 20 s later): the benchmark and the profile still write what they measured and say the run stopped.
 # Sizing (H200, torch 2.11, 2026-11-27, a fresh machine, about 30 s to start): bench 287 s (compile budget 240,
 # block by block: all six compiled variants fitted), profile about 140 s for five variants (cold compiles; six are
 # asked for now), test about 215 s on one worker (unmeasured with four). `all` does not fit one call of at most

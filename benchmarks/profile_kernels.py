@@ -161,22 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     mode = "eager" if args.eager else "compiled (inductor)"
     command = " ".join(["python benchmarks/profile_kernels.py", *(argv if argv is not None else sys.argv[1:])])
     results: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
-        name, _, ablation = kind.partition(":")
-        torch._dynamo.reset()
-        with statistics_off() if ablation else contextlib.nullcontext():
-            variant = bl.build_variant(name, base, args.device, backend)
-            step = bl.make_step(variant, x, optimizer)
-            for _ in range(args.warmup):
-                step()
-            results[kind] = summarize(profile_kernels(step, args.device, args.steps), args.top)
-        print(f"{kind}: {results[kind]['total_us'] / 1e3:.2f} ms of kernels per step", file=sys.stderr, flush=True)
-        if args.json:  # after every variant: a run cut short keeps what it measured
-            harness.write_result(args.json, env, command, size=dataclasses.asdict(size), mode=mode, results=results)
-    print(f"*{env['device'] if 'device' in env else args.device}; torch {env['torch']}; one {args.size} block, "
-          f"{size.tokens} tokens, {mode}.*\n")
-    print(render(results, "bf16" if "bf16" in results else None))
-    return 0
+    stopped = ""
+    with harness.stop_on_signals():  # under `timeout`: the variants profiled so far are still written and printed
+        try:
+            for kind in kinds:
+                name, _, ablation = kind.partition(":")
+                torch._dynamo.reset()
+                with statistics_off() if ablation else contextlib.nullcontext():
+                    variant = bl.build_variant(name, base, args.device, backend)
+                    step = bl.make_step(variant, x, optimizer)
+                    for _ in range(args.warmup):
+                        step()
+                    results[kind] = summarize(profile_kernels(step, args.device, args.steps), args.top)
+                print(f"{kind}: {results[kind]['total_us'] / 1e3:.2f} ms of kernels per step", file=sys.stderr,
+                      flush=True)
+                if args.json:  # after every variant: a run cut short keeps what it measured
+                    harness.write_result(args.json, env, command, size=dataclasses.asdict(size), mode=mode,
+                                         results=results)
+        except harness.Stopped as stop:
+            stopped = f"stopped by {stop} while profiling {kind}; not profiled: {', '.join(kinds[kinds.index(kind):])}"
+            print(stopped, file=sys.stderr, flush=True)
+        print(f"*{env['device'] if 'device' in env else args.device}; torch {env['torch']}; one {args.size} block, "
+              f"{size.tokens} tokens, {mode}.*\n" + (f"\n**Incomplete: {stopped}.**\n" if stopped else ""))
+        print(render(results, "bf16" if "bf16" in results else None))
+    return 1 if stopped else 0
 
 
 if __name__ == "__main__":

@@ -47,6 +47,36 @@ def test_profile_on_this_cpu_with_the_statistics_ablation(tmp_path, capsys):
     assert "| ours-tensorwise:nostats |" in capsys.readouterr().out
 
 
+def test_a_sigterm_keeps_the_variants_profiled(tmp_path, capsys, monkeypatch):
+    """``timeout``'s SIGTERM while the second variant warms up: the first variant's profile is written and printed,
+    the table says the run is incomplete, the exit status is 1 and the signal handler is put back."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    real = profile_kernels.bl.make_step
+    built = [0]
+
+    def stop_at_the_second(*args):
+        built[0] += 1
+        step = real(*args)
+        if built[0] == 2:
+            def stopping():
+                signal.raise_signal(signal.SIGTERM)
+                return step()
+            return stopping
+        return step
+
+    monkeypatch.setattr(profile_kernels.bl, "make_step", stop_at_the_second)
+    out = tmp_path / "kernels.json"
+    assert profile_kernels.main(["--size", "test", "--eager", "--kinds", "bf16,ours-tensorwise,ours-rowwise",
+                                 "--steps", "1", "--warmup", "1", "--json", str(out)]) == 1
+    assert list(json.loads(out.read_text())["results"]) == ["bf16"]
+    text = capsys.readouterr()
+    assert "**Incomplete: stopped by SIGTERM while profiling ours-tensorwise; not profiled: ours-tensorwise, " \
+        "ours-rowwise.**" in text.out
+    assert "| bf16 |" in text.out and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_an_unknown_ablation_is_an_error():
     with pytest.raises(SystemExit):
         profile_kernels.main(["--size", "test", "--eager", "--kinds", "bf16:nostats"])
