@@ -452,7 +452,8 @@ def saved_for_backward_compiled(variant: Variant, x: torch.Tensor, params: list[
     hooks, which change what dynamo guards on. ``saved_tensors_hooks`` cause no recompilation (the recompilation count
     after warm-up, measured over the timed steps after this, checks it). Needs a backend that goes through
     AOTAutograd (inductor, aot_eager), whose compiled function saves everything with ``save_for_backward``: under
-    ``backend="eager"`` what dynamo's traced ``autograd.Function``\ s save (our FP8 copies) bypasses the hooks."""
+    ``backend="eager"`` what the ``autograd.Function`` calls that dynamo traces save (our FP8 copies) bypasses the
+    hooks."""
     buckets, out = harness.saved_tensor_bytes(lambda: variant.forward(x), params)
     del out
     return {"saved_bytes": sum(buckets.values())}
@@ -590,7 +591,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
             check = gradient_check(variants[key], variants[reference], x, params, optimizer)
             results[key]["gradient_check"] = check
             note(f"{size.name}: {key} gradients against {reference}'s: relative difference "
-                f"{check['relative_difference']:.3g}")
+                 f"{check['relative_difference']:.3g}")
             if check["zero_gradients"]:
                 results[key]["status"] = (f"invalid: {check['zero_gradients']} of {check['parameters']} gradients zero "
                                           f"where {reference}'s are not")
@@ -601,7 +602,8 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
                 note(f"{size.name}: {key} {results[key]['status']}: not timed")
                 del steps[key], variants[key]
 
-        # one profiled step each: host syncs, aten ops, peak memory; the bytes saved for backward (eager)
+        # one profiled step each: host syncs, aten ops, peak memory; the bytes saved for backward (eager: split by a
+        # second batch size; compiled: in all)
         changes.update({key: {"graphs": 0, "graph_breaks": 0} for key in steps})
 
         def counted(key: str, fn: Callable[[], Any]) -> Callable[[], Any]:
