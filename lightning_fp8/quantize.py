@@ -96,10 +96,7 @@ def amax_bins(amax: Tensor) -> Tensor:
         bins = torch.zeros(N_AMAX_BINS, dtype=torch.int64, device=amax.device)
         return bins.index_add_(0, index, _one(amax.device).expand(index.shape))
     # compiled, or a tensor subclass or a tracer's tensor (a FakeTensor), which a cached real table must not meet
-    biased = biased & 0xFF
-    index = (biased - 127).clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
-    index = torch.where(biased == 255, N_AMAX_BINS - 1, index)
-    index = torch.where(amax == 0, 0, index)
+    index = torch.where(amax == 0, 0, _exponent_bin(biased & 0xFF))
     if torch.compiler.is_compiling() and torch.are_deterministic_algorithms_enabled():
         every_bin = torch.arange(N_AMAX_BINS, device=amax.device, dtype=index.dtype)
         return (index.unsqueeze(-1) == every_bin).sum(0, dtype=torch.int64)
@@ -123,15 +120,17 @@ def _device_constant(name: str, device: torch.device, make: Callable[[torch.devi
     return value
 
 
+def _exponent_bin(biased: Tensor) -> Tensor:
+    """The :func:`amax_bins` bin of a non-zero float32 whose biased exponent is ``biased`` (0 to 255): ``biased - 127``
+    (``floor(log2)``) clamped to ``[AMAX_BIN_LOW, AMAX_BIN_HIGH]``, and the last bin for 255 (infinity, NaN)."""
+    index = (biased - 127).clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
+    return torch.where(biased == 255, N_AMAX_BINS - 1, index)
+
+
 def _exponent_bins(device: torch.device) -> Tensor:
-    """The eager lookup table of :func:`amax_bins`: entry ``b`` (``0 <= b < 256``) is the bin of a non-zero float32
-    whose biased exponent is ``b``, int64, on ``device``."""
-
-    def make(device: torch.device) -> Tensor:
-        table = (torch.arange(256, device=device) - 127).clamp(AMAX_BIN_LOW, AMAX_BIN_HIGH) - AMAX_BIN_LOW + 1
-        return table.index_fill_(0, torch.tensor([255], device=device), N_AMAX_BINS - 1)
-
-    return _device_constant("exponent bins", device, make)
+    """The eager lookup table of :func:`amax_bins`: :func:`_exponent_bin` of every biased exponent, int64, on
+    ``device``."""
+    return _device_constant("exponent bins", device, lambda device: _exponent_bin(torch.arange(256, device=device)))
 
 
 def _one(device: torch.device) -> Tensor:
