@@ -237,37 +237,75 @@ def write_report(title: str, env: dict[str, str], sections: Sequence[str], data:
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::equal")
 
 
-def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages behind ``t``; a tensor subclass (torchao's ``Float8TrainingTensor``) has those of its parts."""
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``, or the plain tensors a tensor subclass (torchao's ``Float8TrainingTensor``) is made of."""
     if hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in storages(getattr(t, n))]
-    return [t.untyped_storage()]
+        return [p for n in names for p in _parts(getattr(t, n))]
+    return [t]
 
 
-def saved_tensor_bytes(run: Callable[[], Any], params: Iterable[torch.Tensor],
-                       where: Callable[[], str] = lambda: "all") -> tuple[dict[str, int], Any]:
-    """Bytes saved for backward while ``run()`` executes (``torch.autograd.graph.saved_tensors_hooks``).
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``; a tensor subclass (torchao's ``Float8TrainingTensor``) has those of its parts."""
+    return [p.untyped_storage() for p in _parts(t)]
+
+
+@dataclass
+class SavedTensor:
+    """One storage saved for backward (see :func:`saved_tensors`)."""
+
+    shape: tuple[int, ...]  #: of the (first) tensor saved with it
+    dtype: str
+    nbytes: int  #: the whole storage's
+    where: str  #: the bucket ``where()`` named at the save
+
+
+def saved_tensors(run: Callable[[], Any], params: Iterable[torch.Tensor],
+                  where: Callable[[], str] = lambda: "all") -> tuple[list[SavedTensor], Any]:
+    """The storages saved for backward while ``run()`` executes (``torch.autograd.graph.saved_tensors_hooks``).
 
     Each storage counts once; storages of ``params`` do not count (they are alive anyway). ``where()`` is asked at
-    each save and names the bucket the bytes go to (say, whether a Linear layer's forward is running). Returns the
-    bytes per bucket and what ``run`` returned (keep it alive for a backward, or drop it)."""
+    each save and names its bucket (say, whether a Linear layer's forward is running). Returns the storages in the
+    order they were saved and what ``run`` returned (keep it alive for a backward, or drop it)."""
     skip = {s.data_ptr() for p in params for s in storages(p)}
     seen: set[int] = set()
-    buckets: dict[str, int] = {}
+    saved: list[SavedTensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        for s in storages(t):
+        for part in _parts(t):
+            s = part.untyped_storage()
             ptr = s.data_ptr()
             if ptr in skip or ptr in seen:
                 continue
             seen.add(ptr)
-            key = where()
-            buckets[key] = buckets.get(key, 0) + s.nbytes()
+            saved.append(SavedTensor(tuple(part.shape), str(part.dtype).removeprefix("torch."), s.nbytes(), where()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
+    return saved, out
+
+
+def inductor_partitioned_backend() -> Any:
+    """A ``torch.compile`` backend that decomposes and partitions as inductor does (its decompositions, its joint-graph
+    passes, then AOTAutograd's min-cut partitioner) and runs the forward and backward graphs as they are, without
+    inductor's code generation: what a compiled step saves for backward under inductor, in seconds on a CPU."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    return aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm, partition_fn=partition_fn,
+                        decompositions=select_decomp_table())
+
+
+def saved_tensor_bytes(run: Callable[[], Any], params: Iterable[torch.Tensor],
+                       where: Callable[[], str] = lambda: "all") -> tuple[dict[str, int], Any]:
+    """Bytes saved for backward while ``run()`` executes, per ``where()`` bucket (see :func:`saved_tensors`), and what
+    ``run`` returned."""
+    saved, out = saved_tensors(run, params, where)
+    buckets: dict[str, int] = {}
+    for t in saved:
+        buckets[t.where] = buckets.get(t.where, 0) + t.nbytes
     return buckets, out
 
 

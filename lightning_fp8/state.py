@@ -432,9 +432,8 @@ class FP8StateTable:
         pending = self.role_amax_pending[role]
         pending.index_put_(at, torch.maximum(pending.index_select(0, row), amax.float().reshape(1)))
         counters = self.role_counts[role]
-        old = counters.index_select(0, row)  # (1, 4)
-        new = torch.cat([old[:, SEEN:NONZERO] + numel, old[:, NONZERO:] + counts.reshape(1, -1)], dim=1)
-        counters.index_put_(at, new)
+        added = torch.nn.functional.pad(counts.reshape(1, -1), (NONZERO - SEEN, 0), value=numel)  # (1, 4)
+        counters.index_put_(at, counters.index_select(0, row) + added)
         if bins is not None and self.role_amax_bins[role].shape[1]:
             histogram = self.role_amax_bins[role]
             histogram.index_put_(at, histogram.index_select(0, row) + bins.reshape(1, -1))
