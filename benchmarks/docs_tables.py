@@ -17,7 +17,9 @@ Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.js
 ``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config),
 ``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16),
 ``results/llama.json`` and ``results/llama_gpu.json`` (``bench_llama.py`` on this CPU and on an H200: Llama-style
-decoder blocks under bf16, torchao and every recipe, eager and compiled), ``results/compile.json``
+decoder blocks under bf16, torchao and every recipe, eager and compiled), ``results/compiled_saved.json``
+(``compiled_saved.py``: what those blocks keep for backward compiled on the GPU's GEMM path, forced on a CPU),
+``results/compile.json``
 (``bench_compile.py``: those blocks compiled whole or block by block, cold, at several depths; its table is rendered
 once the file exists: see ``PENDING``).
 """
@@ -47,9 +49,10 @@ def load(name: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def caption(env: dict[str, str], command: str, emulated_note: str | None = None) -> str:
+def caption(env: dict[str, str], command: str, emulated_note: str | None = None, gemm_note: str | None = None) -> str:
     """The line above every table: when, where, which versions, which command, emulated or native
-    (``emulated_note``: what the emulation means for this table, instead of the note about speed ratios)."""
+    (``emulated_note``: what the emulation means for this table, instead of the note about speed ratios;
+    ``gemm_note``: what to say about the GEMMs instead, for a run that is neither)."""
     cpu = env.get("cpu", "unknown CPU")
     flags = env.get("cpu matrix flags", "")
     if flags and not flags.startswith("none"):
@@ -59,6 +62,8 @@ def caption(env: dict[str, str], command: str, emulated_note: str | None = None)
     emulated = "emulated" in path or "cuda" not in env.get("device", "cpu")
     what = ("**CPU, emulated FP8 GEMMs**: " + (emulated_note or "no FP8 hardware, so the ratios show the cost of the "
                                                 "emulation, not FP8 speed") if emulated else "native FP8 GEMMs")
+    if gemm_note:
+        what = gemm_note
     busy = ""
     load, cores = env.get("load average at start", ""), re.match(r"\d+", env.get("cores", ""))
     if load and cores and float(load.split()[0]) > int(cores.group(0)) / 2:
@@ -788,6 +793,35 @@ def llama_tables(data: dict[str, Any] | None = None) -> dict[str, str]:
 FSDP2_GATHER_TARGET = 0.57
 
 
+def compiled_saved(data: dict[str, Any] | None = None) -> str:
+    """``compiled_saved.py``'s result: what compiled graphs keep for backward on the GPU's GEMM path, forced on a CPU
+    (bytes in all against compiled bf16 and against torchao's same recipe, and the FP8 tensors kept)."""
+    data = data or load("compiled_saved.json")
+    results, size = data["results"], data["size"]
+    note = ("**CPU, the GPU's GEMM path forced**: ours calls `torch._scaled_mm` and torchao runs with `emulate=False`, "
+            "as on a GPU, and those FP8 GEMMs are emulated by torch on the CPU; graphs partitioned as inductor partitions "
+            "them: bytes saved for backward, no time")
+    bf16 = results.get("bf16", {}).get("saved_bytes")
+    rows = []
+    for kind, v in results.items():
+        twin = results.get(_compiled_saved_twin(kind), {}).get("saved_bytes")
+        kept = ", ".join(f"{n} × {what}" for what, n in v["fp8_tensors"].items()) or "none"
+        rows.append([kind.replace("-", " ") + ", compiled", f"{v['saved_bytes'] / 1024:.1f}",
+                     x(v["saved_bytes"] / bf16) if bf16 else "n/a",
+                     x(v["saved_bytes"] / twin) if twin else "", kept])
+    headers = ["variant", "saved for backward: KiB", "× bf16 compiled", "× torchao (same recipe; tensorwise for "
+               "delayed)", "FP8 tensors kept (count × dtype shape)"]
+    return "\n\n".join([caption(data["environment"], data["command"], gemm_note=note), _llama_size_head(size),
+                         table(headers, rows)])
+
+
+def _compiled_saved_twin(kind: str) -> str:
+    """The torchao variant ``compiled_saved.py`` compares a variant of ours with."""
+    if not kind.startswith("ours-"):
+        return ""
+    return "torchao-rowwise" if kind == "ours-rowwise" else "torchao-tensorwise"
+
+
 def fsdp2_all_gather() -> str:
     data = load("fsdp2.json")
     model, configs = data["model"], data["configs"]
@@ -949,6 +983,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_gpu_compile.md": lambda: llama_compile(load("llama_gpu.json")),
     "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
     "llama_compiled_memory.md": lambda: llama_memory(load("llama_compiled_memory.json")),
+    "compiled_saved.md": compiled_saved,
     "fsdp2_all_gather.md": fsdp2_all_gather,
     "kernels_gpu.md": kernels_gpu,
 }
