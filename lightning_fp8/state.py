@@ -432,6 +432,8 @@ class FP8StateTable:
         pending = self.role_amax_pending[role]
         pending.index_put_(at, torch.maximum(pending.index_select(0, row), amax.float().reshape(1)))
         counters = self.role_counts[role]
+        # [numel, counts...] added in one addition: every graph node a compiled cast adds lengthens the chains that the
+        # partitioner refuses to recompute past 100 nodes (tests/test_compiled_saved_casts.py)
         added = torch.nn.functional.pad(counts.reshape(1, -1), (NONZERO - SEEN, 0), value=numel)  # (1, 4)
         counters.index_put_(at, counters.index_select(0, row) + added)
         if bins is not None and self.role_amax_bins[role].shape[1]:
