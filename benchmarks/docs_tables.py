@@ -982,7 +982,6 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_gpu_memory.md": lambda: llama_memory(load("llama_gpu.json")),
     "llama_gpu_compile.md": lambda: llama_compile(load("llama_gpu.json")),
     "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
-    "llama_compiled_memory.md": lambda: llama_memory(load("llama_compiled_memory.json")),
     "compiled_saved.md": compiled_saved,
     "fsdp2_all_gather.md": fsdp2_all_gather,
     "kernels_gpu.md": kernels_gpu,
