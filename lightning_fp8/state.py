@@ -433,8 +433,9 @@ class FP8StateTable:
         pending.index_put_(at, torch.maximum(pending.index_select(0, row), amax.float().reshape(1)))
         counters = self.role_counts[role]
         # [numel, counts...] added in one addition: every graph node a compiled cast adds lengthens the chains that the
-        # partitioner refuses to recompute past 100 nodes (tests/test_compiled_saved_casts.py)
-        added = torch.nn.functional.pad(counts.reshape(1, -1), (NONZERO - SEEN, 0), value=numel)  # (1, 4)
+        # partitioner refuses to recompute past 100 nodes (tests/test_compiled_saved_casts.py). constant_pad_nd, not
+        # F.pad: F.pad's value is a float, which fixes a symbolic numel to its value (a graph per token count)
+        added = torch.constant_pad_nd(counts.reshape(1, -1), (NONZERO - SEEN, 0), numel)  # (1, 4)
         counters.index_put_(at, counters.index_select(0, row) + added)
         if bins is not None and self.role_amax_bins[role].shape[1]:
             histogram = self.role_amax_bins[role]

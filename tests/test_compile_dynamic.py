@@ -27,11 +27,15 @@ from lightning_fp8.recipe import RECIPES
 TOKENS = (32, 48, 80, 33)
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _step(model: nn.Module, x: torch.Tensor, deferred: bool = False) -> tuple[torch.Tensor, ...]:
+    """One step in a standalone region (which rolls on exit), or ``deferred``: the roll after the backward, as the
+    plugins do (the compiled layers then read and record their table row through a tensor index)."""
     x = x.clone().requires_grad_()
-    with lf.fp8_autocast():
+    with lf.fp8_autocast(defer_amax_history_roll=deferred):
         y = model(x)
     y.float().pow(2).sum().backward()
+    if deferred:
+        lf.roll_amax_history(model)
     grads = tuple(p.grad.clone() for p in model.parameters())
     model.zero_grad(set_to_none=True)
     return (y.detach(), x.grad, *grads)
@@ -44,18 +48,40 @@ def _pair(recipe: str) -> tuple[nn.Module, nn.Module]:
     return eager, copy.deepcopy(eager)
 
 
-def test_automatic_dynamic_shapes_match_eager():
+def _assert_same_state(eager: nn.Module, twin: nn.Module) -> None:
+    for a, b in zip(eager.state_dict().values(), twin.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    eager_table, twin_table = lf.fp8_state_dict(eager)["tables"][0], lf.fp8_state_dict(twin)["tables"][0]
+    for name, value in eager_table.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, twin_table[name]), name
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["region", "deferred"])
+def test_automatic_dynamic_shapes_match_eager(deferred):
+    """The second token count recompiles the graph with a symbolic token count, and the later ones reuse it: under
+    the deferred roll too, where a record that specialised on the cast's element count compiled a graph per token
+    count (``F.pad`` with the count as its float ``value``) until the recompile limit, and the rest ran eager."""
     torch._dynamo.reset()
     eager, twin = _pair("tensorwise")
-    compiled = torch.compile(twin, backend="aot_eager")
-    for tokens in (32, 48, 80):  # the second shape recompiles with a symbolic token count
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(twin, backend=counter)
+    for tokens in (32, 48, 80, 96, 112):
         x = torch.randn(tokens, 64)
-        for a, b in zip(_step(eager, x), _step(compiled, x)):
+        for a, b in zip(_step(eager, x, deferred), _step(compiled, x, deferred)):
             assert torch.equal(a, b), tokens
+    assert counter.frame_count == 2, counter.frame_count
+    _assert_same_state(eager, twin)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_compile_dynamic_true_matches_eager(recipe):
+#: every recipe in a standalone region; under the deferred roll (the plugins'), where the compiled layers record
+#: through a tensor row (one code path for every recipe), a per-tensor and a row-wise one (its histogram record)
+CASES = [(recipe, False) for recipe in RECIPES] + [("tensorwise", True), ("rowwise", True)]
+
+
+@pytest.mark.parametrize(("recipe", "deferred"), CASES, ids=[f"{r}-{'deferred' if d else 'region'}" for r, d in CASES])
+def test_compile_dynamic_true_matches_eager(recipe, deferred):
     """The same bits as eager and the same state, for every token count; a few graphs, not one per token count.
 
     A symbolic size still specialises where the code branches on it: the GEMMs pad a token count that is not a
@@ -68,14 +94,12 @@ def test_compile_dynamic_true_matches_eager(recipe):
     compiled = torch.compile(twin, backend=counter, dynamic=True)
     for tokens in TOKENS:
         x = torch.randn(tokens, 64)
-        for a, b in zip(_step(eager, x), _step(compiled, x)):
+        for a, b in zip(_step(eager, x, deferred), _step(compiled, x, deferred)):
             assert torch.equal(a, b), (recipe, tokens)
     graphs = counter.frame_count
     assert 1 <= graphs <= 4, graphs
     x = torch.randn(112, 64)  # a multiple of 16, not of 32 or 128, like 48 and 80
-    for a, b in zip(_step(eager, x), _step(compiled, x)):
+    for a, b in zip(_step(eager, x, deferred), _step(compiled, x, deferred)):
         assert torch.equal(a, b), (recipe, 112)
     assert counter.frame_count == graphs
-    for a, b in zip(eager.state_dict().values(), twin.state_dict().values()):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b)
+    _assert_same_state(eager, twin)
