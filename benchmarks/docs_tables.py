@@ -60,10 +60,9 @@ def caption(env: dict[str, str], command: str, emulated_note: str | None = None,
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "torchao", "lightning") if k in env)
     path = env.get("GEMM path", "")
     emulated = "emulated" in path or "cuda" not in env.get("device", "cpu")
-    what = ("**CPU, emulated FP8 GEMMs**: " + (emulated_note or "no FP8 hardware, so the ratios show the cost of the "
-                                                "emulation, not FP8 speed") if emulated else "native FP8 GEMMs")
-    if gemm_note:
-        what = gemm_note
+    what = gemm_note or ("**CPU, emulated FP8 GEMMs**: " + (emulated_note or "no FP8 hardware, so the ratios show the "
+                                                             "cost of the emulation, not FP8 speed")
+                         if emulated else "native FP8 GEMMs")
     busy = ""
     load, cores = env.get("load average at start", ""), re.match(r"\d+", env.get("cores", ""))
     if load and cores and float(load.split()[0]) > int(cores.group(0)) / 2:
