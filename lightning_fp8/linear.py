@@ -566,7 +566,7 @@ class FP8Linear(FP8Module, nn.Linear):
         if capture:
             if specs.history_scaled:
                 if call.input_scale_final:  # another layer's cast: replay its scale as it is
-                    ready[INPUT] = True
+                    ready[INPUT].fill_(True)  # not `ready[INPUT] = True`: a copy from host memory, a sync on a GPU
                 decision = decision._replace(history=((INPUT, WEIGHT), (qx.scale, qw.scale), ready))
             self._fp8_decision = decision
         out = out.reshape(*input.shape[:-1], weight.shape[0])
