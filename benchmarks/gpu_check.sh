@@ -13,9 +13,9 @@
 # 20 s later): the benchmark and the profile still write what they measured and say the run stopped.
 # Sizing (H200, torch 2.11, 2026-11-27, a fresh machine, about 30 s to start): bench 287 s (compile budget 240,
 # block by block: all six compiled variants fitted), profile about 140 s for five variants (cold compiles; six are
-# asked for now), test about 215 s on one worker (unmeasured with four). `all` does not fit one call of at most
-# 600 s: make two, `bench,profile` (timeouts 330 + 200 s; run it with timeout_s 595) and then `test` (220 s), about
-# 13 device minutes with the starts.
+# asked for now), test about 215 s on one worker, 95 s of pytest on four (the second H200 run, 15:01 UTC: bench
+# 272 s and test in one call). `all` does not fit one call of at most 600 s: make two, `bench,profile` (timeouts
+# 330 + 200 s; run it with timeout_s 595) and then `test` (220 s), about 13 device minutes with the starts.
 # Logs, the result JSON and the plot go to OUT_DIR (default benchmarks/results/gpu). Wheels in .whl/ (e.g. torchao,
 # where the machine lacks it) are installed to /tmp/site first.
 set -uo pipefail
