@@ -258,6 +258,7 @@ class Variant:
     fp8: bool  #: ours: inside ``fp8_autocast`` and rolled after each step
     device: str
     scope: str | None = None  #: what was compiled: ``model``, ``blocks`` (see :func:`compile_in_scope`), or nothing
+    count_statistics: bool = True  #: ours: the casts count (``fp8_autocast(count_statistics=...)``)
 
     @property
     def compiled(self) -> bool:
@@ -268,7 +269,7 @@ class Variant:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16))
             if self.fp8:
-                stack.enter_context(lf.fp8_autocast(defer_amax_history_roll=True))
+                stack.enter_context(lf.fp8_autocast(defer_amax_history_roll=True, count_statistics=self.count_statistics))
             yield
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

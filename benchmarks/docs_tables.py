@@ -932,12 +932,13 @@ def compile_depth(data: dict[str, Any] | None = None) -> str:
     return "\n".join(out)
 
 
-def kernels_gpu() -> str:
-    """``profile_kernels.py`` on a GPU: each compiled variant's kernel time per step of one block, and its largest
-    kernels outside the GEMMs and attention (classified again here with the script's current classifier)."""
+def kernels_gpu(name: str = "kernels_gpu.json") -> str:
+    """``profile_kernels.py`` on a GPU (``name``: its result file): each compiled variant's kernel time per step of one
+    block, and its largest kernels outside the GEMMs and attention (classified again here with the script's current
+    classifier)."""
     from profile_kernels import kernel_class  # beside this file, like bench_llama's import of docs_tables
 
-    data = load("kernels_gpu.json")
+    data = load(name)
     results, size = data["results"], data["size"]
     out = [caption(data["environment"], data["command"]), "",
            f"Device time of the kernels of one training step ({data['mode']}; forward, backward, `AdamW(fused=True)`), "
@@ -984,6 +985,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "compiled_saved.md": compiled_saved,
     "fsdp2_all_gather.md": fsdp2_all_gather,
     "kernels_gpu.md": kernels_gpu,
+    "kernels_gpu_uncounted.md": lambda: kernels_gpu("kernels_gpu_uncounted.json"),
 }
 #: Tables of a benchmark whose result file is not committed yet, and the file: each is registered once its file
 #: exists, so that before the first run ``--check`` and ``tests/test_doc_numbers.py`` ask for no table (and no page

@@ -25,6 +25,12 @@ What stays: the amaxes the scales need and the table records. Not a product sett
 zeros. (Eager on CUDA the casts run our Triton kernel, which computes the counters inside; the ablation cannot
 remove them there, so ``--eager`` on CUDA refuses it.)
 
+``<kind>:uncounted`` (ours) is the product's own way to skip the counting: a training step inside
+``fp8_autocast(count_statistics=False)``, what the plugins' ``statistics_every_n_steps`` runs on the steps between two
+counting steps. The casts record their amaxes and scales but no counts, numel or histograms (no records of them
+either, where the ablation records zeros). With ``statistics_every_n_steps=n`` a step costs on average
+``(counted + (n - 1) * uncounted) / n``.
+
 Output: a markdown table per variant (the classes, then the ``--top`` kernels by time) on stdout, and JSON
 (``--json``: every kernel's time too). Its numbers are device time summed over kernels, not wall time: overlaps and launch gaps are not in
 it (``bench_llama.py`` measures the wall time).
@@ -147,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         name, _, ablation = kind.partition(":")
         if name not in bl.KINDS:
             parser.error(f"{kind}: unknown variant; choose from {list(bl.KINDS)}")
-        if ablation not in ("", "nostats") or (ablation and not name.startswith("ours-")):
-            parser.error(f"{kind}: the only ablation is ours-<recipe>:nostats")
-        if ablation and args.eager and torch.device(args.device).type == "cuda":
+        if ablation not in ("", "nostats", "uncounted") or (ablation and not name.startswith("ours-")):
+            parser.error(f"{kind}: the only variations are ours-<recipe>:nostats and ours-<recipe>:uncounted")
+        if ablation == "nostats" and args.eager and torch.device(args.device).type == "cuda":
             parser.error(f"{kind}: eager on CUDA our Triton cast computes the counters itself; profile it compiled")
     size = dataclasses.replace(bl.SIZES[args.size], blocks=1)
     base = bl.make_stack(size, args.device)
@@ -166,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 name, _, ablation = kind.partition(":")
                 torch._dynamo.reset()
-                with statistics_off() if ablation else contextlib.nullcontext():
+                with statistics_off() if ablation == "nostats" else contextlib.nullcontext():
                     variant = bl.build_variant(name, base, args.device, backend)
+                    if ablation == "uncounted":
+                        variant = dataclasses.replace(variant, count_statistics=False)
                     step = bl.make_step(variant, x, optimizer)
                     for _ in range(args.warmup):
                         step()

@@ -62,7 +62,8 @@ class FP8StatsCallback(Callback):
         heatmap_max_points: keep this many logging steps for the heatmap (oldest dropped).
         overflow_alert_threshold: warn when a tensor's overflow fraction stays above this value for
             ``alert_patience`` consecutive logs (``None`` disables the alert).
-        alert_patience: consecutive logs above the threshold before the warning.
+        alert_patience: consecutive logs above the threshold before the warning (a log whose interval counted
+            nothing for the tensor, see ``statistics_every_n_steps``, neither clears nor extends the streak).
         summary: print the per-layer summary table at the end of fit (rank 0).
 
     Raises:
@@ -251,7 +252,9 @@ class FP8StatsCallback(Callback):
                 if self.overflow_alert_threshold is None:
                     continue
                 frac = self.last_overflow(name, r)
-                if frac is not None and frac > self.overflow_alert_threshold:
+                if frac is None:  # nothing counted in this interval (statistics_every_n_steps): no news, no reset
+                    continue
+                if frac > self.overflow_alert_threshold:
                     self._above[key] = self._above.get(key, 0) + 1
                     if self._above[key] >= self.alert_patience and key not in self._alerted:
                         self._alerted.add(key)

@@ -205,6 +205,15 @@ class FP8PrecisionBase(Precision):
             :mod:`lightning_fp8.calibration`). Skipped when the histories already hold amaxes (a resume from a
             checkpoint). Default ``0``: no calibration. Fabric has no training loop to hook into: there, call
             :func:`lightning_fp8.calibrate` before the loop; a value > 0 on Fabric's plugin is an error.
+        statistics_every_n_steps: count on one training step in this many (default ``1``: every step). The counts
+            (nonzero, overflow and underflow elements of every cast, and the histograms of slice and block amaxes,
+            which :class:`~lightning_fp8.FP8StatsCallback` turns into its fractions) cost passes over the tensors;
+            the amaxes and scales, which the scaling needs, are recorded on every step whatever this says. On the
+            other steps the casts skip the counting (``quantize(counters=False)``): the counters are then sums over
+            the counting steps, the fractions are those of the counting steps, and a logging interval without one
+            logs no fractions. A step is an optimizer step (all micro-batches of an accumulation window count or
+            none); the first step counts. Compiled, the counting steps and the others run two graphs (two compiles
+            instead of one during warm-up).
 
     Attributes:
         high_precision_layers: ``{fully-qualified layer name: reason}`` of the layers kept in high precision by name
@@ -237,6 +246,7 @@ class FP8PrecisionBase(Precision):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         calibration_batches: int = 0,
+        statistics_every_n_steps: int = 1,
     ) -> None:
         self.recipe = FP8Recipe(
             name=recipe,
@@ -261,6 +271,15 @@ class FP8PrecisionBase(Precision):
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         self.calibration_batches = self._check_calibration_batches(calibration_batches)
+        if (
+            isinstance(statistics_every_n_steps, bool)
+            or not isinstance(statistics_every_n_steps, int)
+            or statistics_every_n_steps < 1
+        ):
+            raise ValueError(f"statistics_every_n_steps must be an int >= 1, got {statistics_every_n_steps!r}")
+        self.statistics_every_n_steps = statistics_every_n_steps
+        self._statistics_step = 0  # optimizer steps so far, one per training step (see after_optimizer_step)
+        self._stepped = False  # an optimizer step came since the last forward
         self.compute_dtype = compute_dtype
         self.exclude = list(exclude)
         self.skip_unaligned = bool(skip_unaligned)
@@ -660,7 +679,11 @@ class FP8PrecisionBase(Precision):
         self.announce()
         stack = ExitStack()
         stack.enter_context(torch.autocast(self._device().type, dtype=self.compute_dtype))
-        stack.enter_context(fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval))
+        self._stepped = False
+        counting = self._statistics_step % self.statistics_every_n_steps == 0
+        stack.enter_context(
+            fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval, count_statistics=counting)
+        )
         return stack
 
     # ------------------------------------------------------------------ the step
@@ -721,6 +744,9 @@ class FP8PrecisionBase(Precision):
         """The FP8 bookkeeping of one optimizer step (a constant number of tensor operations per state table):
         MAX-reduce the pending amaxes of the models ``optimizer`` updates (all models if ``None``) across ranks
         (one collective), then roll their histories."""
+        if not self._stepped:  # several optimizers stepping after one forward make one step of statistics_every_n_steps
+            self._statistics_step += 1
+            self._stepped = True
         tables = self._tables if optimizer is None else self._tables_of(optimizer)
         all_reduce_pending_amax(tables)
         for table in tables:
@@ -730,7 +756,8 @@ class FP8PrecisionBase(Precision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Loss-scaler state, skipped-step count and every model's FP8 state: tensors and plain values only.
+        """Loss-scaler state, skipped-step count, the step count of ``statistics_every_n_steps`` and every model's FP8
+        state: tensors and plain values only.
 
         A loss-scale update still pending from the last optimizer step is applied first (it would otherwise
         happen at the next backward), so the saved scale is the one the next backward uses; so is a switch to high
@@ -748,6 +775,8 @@ class FP8PrecisionBase(Precision):
             "model_classes": [_model_class(model) for model in self.fp8_models],
             "models": [fp8_state_dict(model) for model in self.fp8_models],
             "high_precision_layers": dict(self.high_precision_layers),
+            # where statistics_every_n_steps stands: a resumed run counts on the steps the uninterrupted one would
+            "statistics_step": self._statistics_step,
         }
 
     @override
@@ -802,6 +831,7 @@ class FP8PrecisionBase(Precision):
             rank_zero_warn(f"FP8Precision: {warning}.")
         self._load_ratio = None if ratio is None or ratio == 1.0 else ratio
         self._rescaled: set[int] = set()
+        self._statistics_step, self._stepped = int(state_dict.get("statistics_step", 0)), False
         models = list(state_dict["models"])
         # The counters of a checkpoint are those of the rank that saved it: they continue exactly only where one
         # rank saved and one rank loads. Otherwise each rank restarts its counters from zero instead of counting

@@ -65,7 +65,9 @@ class FP8FallbackCallback(Callback):
         overflow_threshold: a layer is bad in a reading when the overflow fraction of any of its tensors in the
             interval since the previous reading is above this value (in ``[0, 1)``).
         nonfinite: a layer is also bad when one of its most recent amaxes is NaN or Inf.
-        patience: consecutive bad readings before the layer is switched (``>= 1``).
+        patience: consecutive bad readings before the layer is switched (``>= 1``). A reading whose interval
+            counted nothing for the layer (``statistics_every_n_steps``, or the layer did not run) is skipped: it
+            neither clears nor extends the streak (a non-finite amax still counts: amaxes are recorded every step).
         every_n_steps: read every this many optimizer steps; ``None`` (default) follows the Trainer's
             ``log_every_n_steps``.
 
@@ -217,7 +219,10 @@ class FP8FallbackCallback(Callback):
         for name, layer in reading.layers.items():
             why = self._why_bad(name, layer, metrics)
             if why is None:
-                self._bad[name] = 0
+                # a reading whose interval counted nothing for this layer (statistics_every_n_steps, or the layer did
+                # not run) says nothing about its overflows: it neither clears nor extends the streak
+                if any(f"fp8/{name}/{role}/overflow_frac" in metrics for role in ROLES):
+                    self._bad[name] = 0
                 continue
             self._bad[name] = self._bad.get(name, 0) + 1
             if self._bad[name] < self.patience:

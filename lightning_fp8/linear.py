@@ -111,7 +111,15 @@ class _LinearCall:
             history = self.history(spec.role)
         scale, ready = history if history is not None else (None, None)
         reduce = self.tp.amax_reduce(spec, x) if self.tp is not None else None
-        q = quantize(x, spec, statistics=record, history_scale=scale, history_ready=ready, amax_reduce=reduce)
+        q = quantize(
+            x,
+            spec,
+            statistics=record,
+            counters=self.decision.count_statistics,
+            history_scale=scale,
+            history_ready=ready,
+            amax_reduce=reduce,
+        )
         self.record(spec.role, q)
         return q
 
@@ -229,7 +237,9 @@ class _LinearCall:
     def record(self, role: int, q: Quantized) -> None:
         if q.stats is not None:
             s = q.stats
-            self.table.record(self.index, role, s.amax, s.scale, s.numel, s.counts, s.amax_bins)
+            # a cast made elsewhere (an FSDP2 gather's) may have counted on a step that does not: its amax and scale only
+            counts, bins = (s.counts, s.amax_bins) if self.decision.count_statistics else (None, None)
+            self.table.record(self.index, role, s.amax, s.scale, s.numel, counts, bins)
 
 
 def _gemm_dtype(dtype: torch.dtype, spec: CastSpec) -> torch.dtype:

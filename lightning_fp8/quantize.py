@@ -24,6 +24,9 @@ Statistics of one cast (:class:`CastStats`), all computed on the device:
   two (:func:`amax_bins`), so the statistics can show how the blocks' ranges spread without one number per
   block.
 
+``quantize(counters=False)`` keeps the amax and the scale (what the scaling and the amax history need) and skips the
+counts, ``numel`` included, and the histogram: a step that does not count leaves the counters as they were.
+
 :func:`cast_with_statistics` is the one dispatch point between the torch reference (a handful of
 elementwise ops and reductions that ``torch.compile`` fuses into one or two kernels) and the fused
 Triton kernel of ``lightning_fp8.triton_cast`` (CUDA, eager), which gives the same bits and counts. On CUDA eager,
@@ -61,7 +64,8 @@ class CastStats(NamedTuple):
     amax: Tensor  #: float32, 0-d: max |x| over the tensor
     scale: Tensor  #: float32, 0-d: the scale used (the smallest slice or block scale for "row" / "block")
     numel: int  #: elements cast
-    counts: Tensor  #: int64, (3,): nonzero, overflow, underflow
+    #: int64, (3,): nonzero, overflow, underflow; ``None`` when the cast did not count (``quantize(counters=False)``)
+    counts: Tensor | None
     amax_bins: Tensor | None = None  #: int64, (N_AMAX_BINS,): histogram of the slice amaxes ("row", "block")
 
 
@@ -304,14 +308,19 @@ def _cast_blocks(
     return data, cast_statistics(x, x_scaled, data, overflow_free) if statistics else None
 
 
-def _quantize_blocks_fused(x: Tensor, spec: CastSpec, statistics: bool) -> Quantized:
+def _quantize_blocks_fused(x: Tensor, spec: CastSpec, statistics: bool, counters: bool) -> Quantized:
     """A block cast with scales from ``x``'s own block amaxes, in the fused Triton kernel: one pass over ``x``."""
     assert spec.block is not None
     data, scale, amax, counts = triton_block_cast(
-        x, spec.block, spec.dtype, power_of_2=spec.power_of_2, margin=spec.margin, statistics=statistics
+        x, spec.block, spec.dtype, power_of_2=spec.power_of_2, margin=spec.margin, statistics=statistics and counters
     )
-    stats = None if counts is None else CastStats(amax.amax(), scale.amin(), x.numel(), counts, amax_bins(amax))
-    return Quantized(data, scale, stats, spec.block)
+    return Quantized(data, scale, _block_stats(x, amax, scale, counts) if statistics else None, spec.block)
+
+
+def _block_stats(x: Tensor, amax: Tensor, scale: Tensor, counts: Tensor | None) -> CastStats:
+    """The :class:`CastStats` of a block or slice cast: the largest amax, the smallest scale and, with the counts
+    (``None``: not counted, no histogram either), the histogram of the block amaxes."""
+    return CastStats(amax.amax(), scale.amin(), x.numel(), counts, None if counts is None else amax_bins(amax))
 
 
 def quantize(
@@ -319,6 +328,7 @@ def quantize(
     spec: CastSpec,
     *,
     statistics: bool = True,
+    counters: bool = True,
     history_scale: Tensor | None = None,
     history_ready: Tensor | None = None,
     scale: Tensor | None = None,
@@ -330,6 +340,9 @@ def quantize(
         x: the high-precision tensor (2-D for "row" granularity).
         spec: the cast spec.
         statistics: compute the :class:`CastStats` (skipped in evaluation, where they would be thrown away).
+        counters: with ``statistics``, also count (``[nonzero, overflow, underflow]``, and the histogram of slice or
+            block amaxes); ``False`` keeps the amax and the scale alone (``CastStats.counts is None``): what the
+            scaling needs, without the counting passes (``statistics_every_n_steps`` of the precision plugins).
         history_scale: for ``scale_source="history"``: the scale derived from the amax history.
         history_ready: a bool device scalar: whether ``history_scale`` is usable (the history holds an amax);
             otherwise the current amax gives the scale.
@@ -339,9 +352,9 @@ def quantize(
     """
     x = x.detach()
     if amax_reduce is not None:
-        return _quantize_reference(x, spec, statistics, history_scale, history_ready, scale, amax_reduce)
+        return _quantize_reference(x, spec, statistics, counters, history_scale, history_ready, scale, amax_reduce)
     if spec.granularity == "block" and scale is None and spec.scale_source == "current" and use_triton(x):
-        return _quantize_blocks_fused(x, spec, statistics)
+        return _quantize_blocks_fused(x, spec, statistics, counters)
     if (
         spec.granularity == "tensor"
         and scale is None
@@ -355,14 +368,16 @@ def quantize(
         data, scale, amax, counts = triton_history_cast(
             x, history_scale, history_ready, spec.dtype, margin=spec.margin, power_of_2=spec.power_of_2
         )
-        return Quantized(data, scale, CastStats(amax, scale, x.numel(), counts) if statistics else None)
-    return _quantize_reference(x, spec, statistics, history_scale, history_ready, scale, None)
+        stats = CastStats(amax, scale, x.numel(), counts if counters else None) if statistics else None
+        return Quantized(data, scale, stats)
+    return _quantize_reference(x, spec, statistics, counters, history_scale, history_ready, scale, None)
 
 
 def _quantize_reference(
     x: Tensor,
     spec: CastSpec,
     statistics: bool,
+    counters: bool,
     history_scale: Tensor | None,
     history_ready: Tensor | None,
     scale: Tensor | None,
@@ -382,15 +397,16 @@ def _quantize_reference(
                 raise ValueError("a history-scaled cast needs history_scale and history_ready")
             scale = torch.where(history_ready, history_scale, scale)
     if spec.granularity == "block":
-        data, counts = _cast_blocks(x, scale, spec, statistics, overflow_free)
-        if counts is None:
-            return Quantized(data, scale, None, spec.block)
-        return Quantized(data, scale, CastStats(amax.amax(), scale.amin(), x.numel(), counts, amax_bins(amax)), spec.block)
-    if not statistics:
-        return Quantized(saturated_cast(x.to(torch.float32) * scale, spec.dtype), scale, None)
-    data, counts = cast_with_statistics(x, scale, spec.dtype, overflow_free)
-    if spec.granularity == "tensor":
-        stats = CastStats(amax, scale, x.numel(), counts)
+        data, counts = _cast_blocks(x, scale, spec, statistics and counters, overflow_free)
+        return Quantized(data, scale, _block_stats(x, amax, scale, counts) if statistics else None, spec.block)
+    if statistics and (counters or use_triton(x)):
+        # on CUDA eager the fused Triton cast counts in the same pass (at no cost worth a second path): dropped there
+        data, counts = cast_with_statistics(x, scale, spec.dtype, overflow_free)
+        counts = counts if counters else None
     else:
-        stats = CastStats(amax.amax(), scale.amin(), x.numel(), counts, amax_bins(amax))
-    return Quantized(data, scale, stats)
+        data, counts = saturated_cast(x.to(torch.float32) * scale, spec.dtype), None
+        if not statistics:
+            return Quantized(data, scale, None)
+    if spec.granularity == "tensor":
+        return Quantized(data, scale, CastStats(amax, scale, x.numel(), counts))
+    return Quantized(data, scale, _block_stats(x, amax, scale, counts))

@@ -43,6 +43,9 @@ class FP8Region:
     defer_amax_history_roll: bool
     #: layers in eval mode compute in FP8 too (the plugin's ``fp8_eval``)
     fp8_eval: bool = True
+    #: training casts count (``[nonzero, overflow, underflow]``, slice-amax histograms) besides recording their amax and
+    #: scale (the plugins' ``statistics_every_n_steps``: ``False`` on the steps in between); the outermost region's
+    count_statistics: bool = True
     #: state tables of the eager layers that ran inside (outermost, non-deferred regions only; rolled on exit with
     #: those that compiled layers marked)
     tables: list[Any] = field(default_factory=list)
@@ -63,13 +66,18 @@ def current_region() -> FP8Region | None:
 
 
 @contextlib.contextmanager
-def fp8_region(enabled: bool = True, *, defer_amax_history_roll: bool = False, fp8_eval: bool = True) -> Iterator[None]:
-    """:func:`fp8_autocast` with the plugins' extra switch: ``fp8_eval=False`` keeps layers in eval mode in high
-    precision."""
+def fp8_region(
+    enabled: bool = True, *, defer_amax_history_roll: bool = False, fp8_eval: bool = True, count_statistics: bool = True
+) -> Iterator[None]:
+    """:func:`fp8_autocast` with the plugins' extra switches: ``fp8_eval=False`` keeps layers in eval mode in high
+    precision; ``count_statistics=False`` (outermost region only) has training casts record their amaxes and scales
+    but not count (see ``quantize(counters=False)``)."""
     outer = current_region()
     # An inner region never rolls: the outermost one (or the plugin that deferred) does.
     defer = bool(defer_amax_history_roll) or outer is not None
-    region = FP8Region(enabled=bool(enabled), defer_amax_history_roll=defer, fp8_eval=bool(fp8_eval))
+    region = FP8Region(
+        enabled=bool(enabled), defer_amax_history_roll=defer, fp8_eval=bool(fp8_eval), count_statistics=bool(count_statistics)
+    )
     # compiled layers do not note their table in the region: they mark it, and the region finds the marks on exit
     marks = compiled_forward_marks() if not defer else None
     _REGIONS.stack.append(region)
@@ -90,7 +98,9 @@ def fp8_region(enabled: bool = True, *, defer_amax_history_roll: bool = False, f
                     table.roll()
 
 
-def fp8_autocast(enabled: bool = True, *, defer_amax_history_roll: bool = False) -> contextlib.AbstractContextManager:
+def fp8_autocast(
+    enabled: bool = True, *, defer_amax_history_roll: bool = False, count_statistics: bool = True
+) -> contextlib.AbstractContextManager:
     """Region in which FP8 layers compute in FP8. Thread-local and nestable; restores the outer state.
 
     Args:
@@ -99,10 +109,14 @@ def fp8_autocast(enabled: bool = True, *, defer_amax_history_roll: bool = False)
             :func:`lightning_fp8.roll_amax_history` is called (the precision plugin does this once per
             optimizer step, so all micro-batches of an accumulation window share one scale). By default
             the outermost region rolls the histories of the layers that ran inside it when it exits, once.
+        count_statistics: ``False``: the training casts inside (and their backward) record their amaxes and scales
+            but do not count nonzero, overflowing and underflowing elements nor build slice-amax histograms
+            (what the plugins' ``statistics_every_n_steps`` does on the steps in between). Set on the outermost
+            region; an inner region follows it.
 
     The backward pass may run outside the region: each layer decides at forward time.
     """
-    return fp8_region(enabled, defer_amax_history_roll=defer_amax_history_roll)
+    return fp8_region(enabled, defer_amax_history_roll=defer_amax_history_roll, count_statistics=count_statistics)
 
 
 def is_fp8_autocast_enabled() -> bool:
@@ -121,6 +135,9 @@ class ForwardDecision(NamedTuple):
         record_forward: the forward's casts record statistics (training mode, outside ``inference_mode``,
             not a recomputation).
         record_backward: the backward's casts record statistics.
+        count_statistics: the recording casts also count (``[nonzero, overflow, underflow]`` and slice-amax
+            histograms); otherwise they record their amax and scale alone (the outermost region's
+            ``count_statistics``).
         history: for history-scaled operands, ``(roles, scales, ready)``: the scale each role's cast used and a
             tensor of flags, indexed by role, saying whether that history was usable. A recomputation casts with
             exactly that scale where the history was usable, whatever it did since, and otherwise, as the forward
@@ -134,6 +151,7 @@ class ForwardDecision(NamedTuple):
     enabled: bool
     record_forward: bool = False
     record_backward: bool = False
+    count_statistics: bool = True
     history: tuple[tuple[int, ...], tuple[torch.Tensor, ...], torch.Tensor] | None = None
     keep_weight_cast: bool = False
 
@@ -183,5 +201,9 @@ def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
         elif all(t is not table for t in outermost.tables):  # a long region stays small: one entry per table
             outermost.tables.append(table)
     return ForwardDecision(
-        enabled=True, record_forward=record, record_backward=record, keep_weight_cast=outermost.defer_amax_history_roll
+        enabled=True,
+        record_forward=record,
+        record_backward=record,
+        count_statistics=outermost.count_statistics,
+        keep_weight_cast=outermost.defer_amax_history_roll,
     )

@@ -402,12 +402,14 @@ class FP8StateTable:
         amax: Tensor,
         scale: Tensor,
         numel: int,
-        counts: Tensor,
+        counts: Tensor | None,
         bins: Tensor | None = None,
     ) -> None:
         """Record one cast of ``role`` of layer ``index``: the scale it used, its amax (max-combined into the
         pending amax, NaN-propagating), ``numel`` plus the ``[nonzero, overflow, underflow]`` counts, and the
-        histogram of its slice amaxes (``bins``, for tables that keep one).
+        histogram of its slice amaxes (``bins``, for tables that keep one). ``counts=None``: a cast that did not
+        count (see ``quantize(counters=False)``) records its scale and amax only: ``numel`` and ``bins`` are left out
+        too, so that the counters stay the sums over the casts that counted.
 
         ``index`` is the row: an int (eager: writes through views), or a one-element int64 tensor
         (``FP8StateRef.row``, compiled code: the same values through ``index_put_``)."""
@@ -417,6 +419,8 @@ class FP8StateTable:
         self.role_scale[role][index].copy_(scale)
         pending = self.role_amax_pending[role][index]
         pending.copy_(torch.maximum(pending, amax.float()))
+        if counts is None:
+            return
         row = self.role_counts[role][index]
         row[SEEN].add_(numel)
         row[NONZERO:].add_(counts)
@@ -424,13 +428,15 @@ class FP8StateTable:
             self.role_amax_bins[role][index].add_(bins)
 
     def _record_at(
-        self, row: Tensor, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor, bins: Tensor | None
+        self, row: Tensor, role: int, amax: Tensor, scale: Tensor, numel: int, counts: Tensor | None, bins: Tensor | None
     ) -> None:
         """:meth:`record` at a row given as a one-element tensor: read, combine, write back with ``index_put_``."""
         at = (row,)
         self.role_scale[role].index_put_(at, scale.reshape(1).to(torch.float32))
         pending = self.role_amax_pending[role]
         pending.index_put_(at, torch.maximum(pending.index_select(0, row), amax.float().reshape(1)))
+        if counts is None:
+            return
         counters = self.role_counts[role]
         # [numel, counts...] added in one addition: every graph node a compiled cast adds lengthens the chains that the
         # partitioner refuses to recompute past 100 nodes (tests/test_compiled_saved_casts.py). constant_pad_nd, not

@@ -135,6 +135,7 @@ def test_every_plugin_and_callback_argument_from_yaml(cli):
                 backoff_factor: 0.25
                 growth_interval: 100
                 calibration_batches: 2
+                statistics_every_n_steps: 4
           callbacks:
             - class_path: lightning_fp8.FP8StatsCallback
               init_args:
@@ -158,6 +159,7 @@ def test_every_plugin_and_callback_argument_from_yaml(cli):
     assert plugin.exclude == ["lm_head", "blocks.0.*"]
     # loss_scaling: true is the explicit form of "dynamic"
     assert (plugin.skip_unaligned, plugin.fp8_eval, plugin.loss_scaling) == (False, False, "dynamic")
+    assert plugin.statistics_every_n_steps == 4
     assert plugin.calibration_batches == 2
     assert plugin.scaler.state_dict() == {
         "scale": 1024.0,

@@ -71,12 +71,12 @@ class Probe(L.Callback):
         self.at_end[trainer.global_step] = isinstance(pl_module.mid, FP8Linear)
 
 
-def fit(tmp_path, callback, steps, ckpt_path=None, callbacks_extra=(), model_class=None, **kwargs):
+def fit(tmp_path, callback, steps, ckpt_path=None, callbacks_extra=(), model_class=None, plugin=None, **kwargs):
     torch.manual_seed(0)
     model = (model_class or Planted)()
     probe = Probe()
     trainer = make_trainer(
-        FP8Precision(recipe="delayed"),
+        plugin or FP8Precision(recipe="delayed"),
         callbacks=[callback, probe, *callbacks_extra],
         max_steps=steps,
         default_root_dir=tmp_path,
@@ -166,6 +166,18 @@ def test_planted_outlier_layer_falls_back_after_patience(tmp_path):
         got = model.mid(x)
         want = F.linear(x, model.mid.weight, model.mid.bias)
     assert torch.equal(got, want)
+
+
+def test_readings_without_counts_neither_clear_nor_extend_a_bad_streak(tmp_path):
+    # statistics_every_n_steps=2 and a reading after every step: every other reading covers no counting step, so it
+    # has no overflow fraction. It must not count as a clean reading (which would reset the streak: no fallback ever)
+    callback = FP8FallbackCallback(every_n_steps=1, patience=2)
+    plugin = FP8Precision(recipe="delayed", statistics_every_n_steps=2)
+    trainer, model, probe, messages = fit(tmp_path, callback, steps=12, plugin=plugin)
+    # steps 4, 6, ... overflow and count (the steps in between overflow too, uncounted): bad at the readings after
+    # steps 4 and 6, the one after step 5 carrying nothing; switched at the reading after step 6 (global step 7)
+    assert list(callback.fallen_back) == ["mid"] and callback.fallen_back["mid"]["step"] == 7
+    assert type(model.mid) is nn.Linear
 
 
 def test_fallback_is_in_the_checkpoint_and_resumes(tmp_path):

@@ -28,7 +28,7 @@ def test_kernel_classes(name, expected):
 
 def test_profile_on_this_cpu_with_the_statistics_ablation(tmp_path, capsys):
     out = tmp_path / "kernels.json"
-    kinds = "bf16,ours-tensorwise,ours-tensorwise:nostats,ours-rowwise,ours-rowwise:nostats"
+    kinds = "bf16,ours-tensorwise,ours-tensorwise:nostats,ours-tensorwise:uncounted,ours-rowwise,ours-rowwise:nostats"
     assert profile_kernels.main(["--size", "test", "--eager", "--kinds", kinds, "--steps", "1", "--warmup", "1",
                                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -40,6 +40,9 @@ def test_profile_on_this_cpu_with_the_statistics_ablation(tmp_path, capsys):
     # the eager counters are count_nonzero ops: present with the statistics, gone in the ablation
     assert results["ours-tensorwise"]["kernels_us"].get("aten::count_nonzero", 0) > 0
     assert "aten::count_nonzero" not in results["ours-tensorwise:nostats"]["kernels_us"]
+    # the product's step between two counting steps (statistics_every_n_steps): no counting, no counts recorded
+    uncounted = results["ours-tensorwise:uncounted"]["kernels_us"]
+    assert "aten::count_nonzero" not in uncounted and uncounted.get("aten::amax", 0) > 0
     assert "aten::count_nonzero" not in results["bf16"]["kernels_us"]
     # the row amax histograms are index_add_ ops: present with the statistics, gone in the ablation
     assert results["ours-rowwise"]["kernels_us"].get("aten::index_add_", 0) > 0
