@@ -212,8 +212,10 @@ class FP8PrecisionBase(Precision):
             other steps the casts skip the counting (``quantize(counters=False)``): the counters are then sums over
             the counting steps, the fractions are those of the counting steps, and a logging interval without one
             logs no fractions. A step is an optimizer step (all micro-batches of an accumulation window count or
-            none); the first step counts. Compiled, the counting steps and the others run two graphs (two compiles
-            instead of one during warm-up).
+            none); the first step counts. The steps are counted per state table (one per model and recipe), as the
+            optimizer that updates the model steps: with two optimizers taking turns (a GAN's generator and
+            discriminator), each model counts on its own steps 0, n, 2n, .... Compiled, the counting steps and the
+            others run two graphs (two compiles instead of one during warm-up).
 
     Attributes:
         high_precision_layers: ``{fully-qualified layer name: reason}`` of the layers kept in high precision by name
@@ -278,8 +280,7 @@ class FP8PrecisionBase(Precision):
         ):
             raise ValueError(f"statistics_every_n_steps must be an int >= 1, got {statistics_every_n_steps!r}")
         self.statistics_every_n_steps = statistics_every_n_steps
-        self._statistics_step = 0  # optimizer steps so far, one per training step (see after_optimizer_step)
-        self._stepped = False  # an optimizer step came since the last forward
+        self._stepped_tables: set[int] = set()  # tables whose step count moved since the last training forward
         self.compute_dtype = compute_dtype
         self.exclude = list(exclude)
         self.skip_unaligned = bool(skip_unaligned)
@@ -299,7 +300,8 @@ class FP8PrecisionBase(Precision):
         self._tables: list[FP8StateTable] = []
         self._param_owner: dict[int, int] = {}
         self._optimizer_tables: weakref.WeakKeyDictionary[Any, tuple[int, list[FP8StateTable]]] = weakref.WeakKeyDictionary()
-        self._pending_states: list[dict[str, Any]] = []
+        #: checkpoint states (and their tables' statistics_every_n_steps step counts) waiting for their model
+        self._pending_states: list[tuple[dict[str, Any], list[int] | None]] = []
         self._restore_counters = True
         self._load_ratio: float | None = None
         self._plain_models: list[tuple[nn.Module, ConversionReport]] = []
@@ -427,7 +429,7 @@ class FP8PrecisionBase(Precision):
             for param in module.parameters():
                 self._param_owner.setdefault(id(param), len(self.fp8_models) - 1)
             if self._pending_states:
-                self._load_model_state(module, self._pending_states.pop(0))
+                self._load_model_state(module, *self._pending_states.pop(0))
         # a submodule shared by two models (a common trunk) is in both models' tables: list each table once
         self._tables = list({id(t): t for m in self.fp8_models for t in state_tables(m)}.values())
         self._optimizer_tables.clear()
@@ -679,12 +681,21 @@ class FP8PrecisionBase(Precision):
         self.announce()
         stack = ExitStack()
         stack.enter_context(torch.autocast(self._device().type, dtype=self.compute_dtype))
-        self._stepped = False
-        counting = self._statistics_step % self.statistics_every_n_steps == 0
-        stack.enter_context(
-            fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval, count_statistics=counting)
-        )
+        stack.enter_context(fp8_region(enabled=True, defer_amax_history_roll=True, fp8_eval=self.fp8_eval))
+        if torch.is_grad_enabled():  # a training forward (not an evaluation between two optimizers' steps)
+            self._stepped_tables.clear()
+        every = self.statistics_every_n_steps
+        if every > 1:
+            # each table counts on its own optimizer steps 0, n, 2n, ... (see after_optimizer_step); read at forward
+            # time by the layers (ForwardDecision.count_statistics), and back to counting outside the plugin's region
+            for table in self._tables:
+                table.count_statistics = table.statistics_step % every == 0
+            stack.callback(self._count_everywhere)
         return stack
+
+    def _count_everywhere(self) -> None:
+        for table in self._tables:
+            table.count_statistics = True
 
     # ------------------------------------------------------------------ the step
     @staticmethod
@@ -744,10 +755,11 @@ class FP8PrecisionBase(Precision):
         """The FP8 bookkeeping of one optimizer step (a constant number of tensor operations per state table):
         MAX-reduce the pending amaxes of the models ``optimizer`` updates (all models if ``None``) across ranks
         (one collective), then roll their histories."""
-        if not self._stepped:  # several optimizers stepping after one forward make one step of statistics_every_n_steps
-            self._statistics_step += 1
-            self._stepped = True
         tables = self._tables if optimizer is None else self._tables_of(optimizer)
+        for table in tables:  # the steps of statistics_every_n_steps: each table's own optimizer steps, once per
+            if id(table) not in self._stepped_tables:  # forward (two optimizers over one model make one step)
+                self._stepped_tables.add(id(table))
+                table.statistics_step += 1
         all_reduce_pending_amax(tables)
         for table in tables:
             table.roll()
@@ -775,8 +787,9 @@ class FP8PrecisionBase(Precision):
             "model_classes": [_model_class(model) for model in self.fp8_models],
             "models": [fp8_state_dict(model) for model in self.fp8_models],
             "high_precision_layers": dict(self.high_precision_layers),
-            # where statistics_every_n_steps stands: a resumed run counts on the steps the uninterrupted one would
-            "statistics_step": self._statistics_step,
+            # where statistics_every_n_steps stands, per model and state table: a resumed run counts on the steps the
+            # uninterrupted one would
+            "statistics_steps": [[table.statistics_step for table in state_tables(model)] for model in self.fp8_models],
         }
 
     @override
@@ -831,7 +844,7 @@ class FP8PrecisionBase(Precision):
             rank_zero_warn(f"FP8Precision: {warning}.")
         self._load_ratio = None if ratio is None or ratio == 1.0 else ratio
         self._rescaled: set[int] = set()
-        self._statistics_step, self._stepped = int(state_dict.get("statistics_step", 0)), False
+        self._stepped_tables.clear()
         models = list(state_dict["models"])
         # The counters of a checkpoint are those of the rank that saved it: they continue exactly only where one
         # rank saved and one rank loads. Otherwise each rank restarts its counters from zero instead of counting
@@ -849,12 +862,17 @@ class FP8PrecisionBase(Precision):
                     f"lightning_fp8: layer {name!r} runs in high precision, as in the run the checkpoint comes from "
                     f"({self.high_precision_layers[name]})"
                 )
-        for model in self.fp8_models[: len(models)]:
-            self._load_model_state(model, models.pop(0))
-        self._pending_states = models
+        steps = list(state_dict.get("statistics_steps") or [])  # absent from checkpoints before the setting
+        pending = [(state, steps[i] if i < len(steps) else None) for i, state in enumerate(models)]
+        for model in self.fp8_models[: len(pending)]:
+            self._load_model_state(model, *pending.pop(0))
+        self._pending_states = pending
 
-    def _load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+    def _load_model_state(self, model: nn.Module, state: dict[str, Any], statistics_steps: list[int] | None) -> None:
         load_fp8_state_dict(model, state, counters=self._restore_counters)
+        tables = state_tables(model)
+        for table, step in zip(tables, statistics_steps or [0] * len(tables)):
+            table.statistics_step = int(step)
         if self._load_ratio is not None:  # the gradients were recorded under another loss scale than the new one
             ratio = torch.tensor(self._load_ratio, dtype=torch.float32)
             for table in state_tables(model):

@@ -65,9 +65,11 @@ class FP8FallbackCallback(Callback):
         overflow_threshold: a layer is bad in a reading when the overflow fraction of any of its tensors in the
             interval since the previous reading is above this value (in ``[0, 1)``).
         nonfinite: a layer is also bad when one of its most recent amaxes is NaN or Inf.
-        patience: consecutive bad readings before the layer is switched (``>= 1``). A reading whose interval
-            counted nothing for the layer (``statistics_every_n_steps``, or the layer did not run) is skipped: it
-            neither clears nor extends the streak (a non-finite amax still counts: amaxes are recorded every step).
+        patience: consecutive bad readings before the layer is switched (``>= 1``): readings with a non-finite amax,
+            or readings with an overflow fraction above the threshold (two streaks). For the overflow streak a reading
+            whose interval counted nothing for the layer (``statistics_every_n_steps``, or the layer did not run) is
+            skipped: it neither clears nor extends it. The amaxes are recorded on every step: every reading clears or
+            extends the non-finite streak.
         every_n_steps: read every this many optimizer steps; ``None`` (default) follows the Trainer's
             ``log_every_n_steps``.
 
@@ -105,7 +107,8 @@ class FP8FallbackCallback(Callback):
         self.fallen_back: dict[str, dict[str, Any]] = {}
         self.readings = 0  #: readings taken in this process
         self._stats = FP8Stats(None)
-        self._bad: dict[str, int] = {}  # consecutive bad readings per layer
+        self._bad: dict[str, int] = {}  # consecutive readings with an overflow fraction above the threshold, per layer
+        self._bad_nonfinite: dict[str, int] = {}  # consecutive readings with a non-finite amax, per layer
         self._last_read_step = -1
         self._missing_warned: set[str] = set()
         self._restored: list[str] = []  # layers of a loaded state, reported at the start of training
@@ -219,22 +222,18 @@ class FP8FallbackCallback(Callback):
         for name, layer in reading.layers.items():
             why = self._why_bad(name, layer, metrics)
             if why is None:
-                # a reading whose interval counted nothing for this layer (statistics_every_n_steps, or the layer did
-                # not run) says nothing about its overflows: it neither clears nor extends the streak
-                if any(f"fp8/{name}/{role}/overflow_frac" in metrics for role in ROLES):
-                    self._bad[name] = 0
                 continue
-            self._bad[name] = self._bad.get(name, 0) + 1
-            if self._bad[name] < self.patience:
+            reason, value, streak = why
+            if streak < self.patience:
                 continue
             modules = self._modules() if modules is None else modules
             module = modules.get(name)
             if not isinstance(module, FP8Module):
                 continue
-            reason, value = why
-            reason = f"{reason} in {self._bad[name]} consecutive readings (every {self._every(trainer)} steps)"
+            reason = f"{reason} in {streak} consecutive readings (every {self._every(trainer)} steps)"
             self.fallen_back[name] = {"step": trainer.global_step, "reason": reason, "value": value}
             self._bad.pop(name, None)
+            self._bad_nonfinite.pop(name, None)
             self._switch(trainer, module, reason)
             switched.append(name)
             rank_zero_warn(
@@ -244,21 +243,36 @@ class FP8FallbackCallback(Callback):
             )
         return switched
 
-    def _why_bad(self, name: str, layer: LayerReading, metrics: dict[str, float]) -> tuple[str, float] | None:
+    def _why_bad(self, name: str, layer: LayerReading, metrics: dict[str, float]) -> tuple[str, float, int] | None:
+        """Update ``name``'s two streaks with this reading; ``(reason, value, streak)`` when it is bad.
+
+        The non-finite streak (``nonfinite``) follows every reading: the amaxes are recorded on every step. The
+        overflow streak follows the readings that counted for the layer: a reading whose interval counted nothing
+        (``statistics_every_n_steps``, or the layer did not run) has no overflow fraction and neither clears nor
+        extends it."""
+        nonfinite = None
         if self.nonfinite:
             for r, role in enumerate(ROLES):
                 amax = layer.history[r][0]
                 if not math.isfinite(amax):
-                    return f"non-finite {role} amax ({amax})", amax
-        worst = None
+                    nonfinite = (f"non-finite {role} amax ({amax})", amax)
+                    break
+            self._bad_nonfinite[name] = self._bad_nonfinite.get(name, 0) + 1 if nonfinite else 0
+        worst, counted = None, False
         for role in ROLES:
             frac = metrics.get(f"fp8/{name}/{role}/overflow_frac")
+            counted = counted or frac is not None
             if frac is not None and frac > self.overflow_threshold and (worst is None or frac > worst[1]):
                 worst = (role, frac)
+        if counted:
+            self._bad[name] = self._bad.get(name, 0) + 1 if worst else 0
+        if nonfinite is not None and (worst is None or self._bad_nonfinite[name] >= self._bad.get(name, 0)):
+            return nonfinite[0], nonfinite[1], self._bad_nonfinite[name]
         if worst is None:
             return None
         role, frac = worst
-        return f"{role} overflow fraction {frac:.2%} above overflow_threshold={self.overflow_threshold:g}", frac
+        reason = f"{role} overflow fraction {frac:.2%} above overflow_threshold={self.overflow_threshold:g}"
+        return reason, frac, self._bad[name]
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.fallen_back:
@@ -277,6 +291,7 @@ class FP8FallbackCallback(Callback):
         return {
             "fallen_back": {name: dict(info) for name, info in self.fallen_back.items()},
             "bad": dict(self._bad),
+            "bad_nonfinite": dict(self._bad_nonfinite),
             "last_read_step": self._last_read_step,
         }
 
@@ -284,4 +299,5 @@ class FP8FallbackCallback(Callback):
         self.fallen_back = {name: dict(info) for name, info in state_dict["fallen_back"].items()}
         self._restored = list(self.fallen_back)
         self._bad = dict(state_dict.get("bad", {}))
+        self._bad_nonfinite = dict(state_dict.get("bad_nonfinite", {}))
         self._last_read_step = state_dict.get("last_read_step", -1)

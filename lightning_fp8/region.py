@@ -137,7 +137,7 @@ class ForwardDecision(NamedTuple):
         record_backward: the backward's casts record statistics.
         count_statistics: the recording casts also count (``[nonzero, overflow, underflow]`` and slice-amax
             histograms); otherwise they record their amax and scale alone (the outermost region's
-            ``count_statistics``).
+            ``count_statistics`` and the state table's, which the plugins' ``statistics_every_n_steps`` sets).
         history: for history-scaled operands, ``(roles, scales, ready)``: the scale each role's cast used and a
             tensor of flags, indexed by role, saying whether that history was usable. A recomputation casts with
             exactly that scale where the history was usable, whatever it did since, and otherwise, as the forward
@@ -204,6 +204,6 @@ def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
         enabled=True,
         record_forward=record,
         record_backward=record,
-        count_statistics=outermost.count_statistics,
+        count_statistics=outermost.count_statistics and table.count_statistics,
         keep_weight_cast=outermost.defer_amax_history_roll,
     )

@@ -129,6 +129,11 @@ class FP8StateTable:
         #: Bumped (on the host) whenever the weight scales may have changed other than by a cast: each roll, each write of
         #: rows, each move. An FP8 weight cast under one generation of an unchanged weight can be reused.
         self.generation = 0
+        #: The precision plugins' ``statistics_every_n_steps``: the optimizer steps that updated this table's layers so
+        #: far, and whether the layers' casts count in the current forward (host values, set by the plugin; a layer
+        #: reads the flag at forward time, see :func:`lightning_fp8.region.decide`).
+        self.statistics_step = 0
+        self.count_statistics = True
         self._allocate(num_layers, torch.device(device) if device is not None else torch.device("cpu"))
         _register(self)
 

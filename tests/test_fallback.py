@@ -308,6 +308,39 @@ def test_nonfinite_amax_falls_back(tmp_path):
     assert "non-finite" not in off.fallen_back["mid"]["reason"] and off.fallen_back["mid"]["value"] == 1.0
 
 
+class SpikedNaN(Planted):
+    """A NaN in ``mid``'s input in the forwards of the global steps ``spikes`` only."""
+
+    def __init__(self, spikes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.spikes = spikes
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(self.inp(x))
+        if self.global_step in self.spikes:
+            h = h.clone()
+            h[0, 0] = float("nan")
+        h = torch.nan_to_num(self.mid(h), nan=0.0)
+        return F.cross_entropy(self.out(torch.relu(h)).float(), y)
+
+
+@pytest.mark.parametrize("every, spikes", [(1, (2, 4)), (2, (1, 3))])
+def test_isolated_nonfinite_readings_are_not_a_streak_whatever_statistics_every_n_steps(tmp_path, every, spikes):
+    # NaN amaxes in the readings after two steps, finite ones (recorded on every step) in the reading between: that
+    # reading clears the non-finite streak, also when it counted nothing (statistics_every_n_steps=2: the spikes on
+    # the steps that do not count, so the overflow rule sees none of them)
+    torch.manual_seed(0)
+    callback = FP8FallbackCallback(every_n_steps=1, patience=2)
+    plugin = FP8Precision(recipe="tensorwise", statistics_every_n_steps=every)
+    trainer = make_trainer(plugin, callbacks=[callback], max_steps=7, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(SpikedNaN(spikes), loader())
+    assert callback.fallen_back == {}
+    assert callback._bad_nonfinite == {"inp": 0, "mid": 0, "out": 0}  # the readings did see the NaNs and the clean one
+
+
 def test_with_the_stats_callback_a_fallen_back_layer_leaves_a_gap_in_the_heatmap(tmp_path):
     """Both callbacks together: after the switch the stats callback reads one layer fewer. Its heatmap must still be
     drawn at the end of fit (the switched layer's later cells blank), and its checkpoint must round-trip."""

@@ -63,7 +63,7 @@ def _fit(every, recipe, **kwargs):
 def test_counting_every_third_step_trains_identically_and_counts_the_counting_steps_alone(recipe):
     every_step, _, each = _fit(1, recipe)
     third, plugin, _ = _fit(3, recipe)
-    assert plugin._statistics_step == STEPS
+    assert [t.statistics_step for t in plugin.state_tables] == [STEPS]
     for name, a in every_step.state_dict().items():  # the counts never feed the numerics
         assert torch.equal(a, third.state_dict()[name]), name
     counting = [k for k in range(STEPS) if k % 3 == 0]  # steps 0 and 3
@@ -95,10 +95,10 @@ def test_a_resumed_run_counts_on_the_steps_of_the_uninterrupted_one(tmp_path):
     fit(straight, 3, FP8Precision(statistics_every_n_steps=3))  # steps 0 to 5: 0 and 3 count
     trainer = fit(_model(), 1, FP8Precision(statistics_every_n_steps=3))
     trainer.save_checkpoint(tmp_path / "two.ckpt")
-    assert torch.load(tmp_path / "two.ckpt", weights_only=True)["FP8Precision"]["statistics_step"] == 2
+    assert torch.load(tmp_path / "two.ckpt", weights_only=True)["FP8Precision"]["statistics_steps"] == [[2]]
     resumed, plugin = _model(), FP8Precision(statistics_every_n_steps=3)
     fit(resumed, 3, plugin, ckpt_path=tmp_path / "two.ckpt")
-    assert plugin._statistics_step == 6
+    assert [t.statistics_step for t in plugin.state_tables] == [6]
     s, r = per_layer(lf.fp8_state_dict(straight)), per_layer(lf.fp8_state_dict(resumed))
     for name, entry in s.items():
         for field, value in entry.items():
@@ -202,7 +202,7 @@ def test_statistics_every_n_steps_must_be_a_positive_int(value):
             plugin(statistics_every_n_steps=value)
 
 
-def test_fabric_counts_every_nth_optimizer_step_and_once_for_two_optimizers():
+def test_fabric_counts_every_nth_step_of_each_model_and_once_for_two_optimizers_of_one_step():
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=2)])
@@ -211,15 +211,35 @@ def test_fabric_counts_every_nth_optimizer_step_and_once_for_two_optimizers():
     first, opt1 = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.01))
     second, opt2 = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.01))
     seen = []
-    for _ in range(4):  # one training step: one forward of each model, both optimizers step
+    for _ in range(4):  # one step: one forward through both models, both optimizers step
         x = torch.randn(8, 32)
         fabric.backward(second(first(x)).float().square().mean())
         opt1.step()
         opt2.step()
         opt1.zero_grad()
         opt2.zero_grad()
-        seen.append(int(first.module.fp8_counts[INPUT, 0]))
-    assert seen == [8 * 32, 8 * 32, 2 * 8 * 32, 2 * 8 * 32]  # steps 0 and 2 counted
+        seen.append((int(first.module.fp8_counts[INPUT, 0]), int(second.module.fp8_counts[INPUT, 0])))
+    assert seen == [(256, 256), (256, 256), (512, 512), (512, 512)]  # steps 0 and 2 counted, for both
+
+
+def test_models_taking_turns_each_count_on_their_own_steps():
+    # A GAN's schedule in a Fabric loop: each model does its own forward, backward and optimizer step, in turn. One
+    # step count for the plugin would alias with n=2 (the second model's steps always odd: it would never count).
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=2)])
+    torch.manual_seed(0)
+    a, b = nn.Linear(32, 32), nn.Linear(32, 32)
+    a, opt_a = fabric.setup(a, torch.optim.SGD(a.parameters(), lr=0.01))
+    b, opt_b = fabric.setup(b, torch.optim.SGD(b.parameters(), lr=0.01))
+    for _ in range(4):
+        for model, optimizer in ((a, opt_a), (b, opt_b)):
+            fabric.backward(model(torch.randn(8, 32)).float().square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    # each model's steps 0 and 2 counted: two steps of 8 x 32 inputs
+    assert int(a.module.fp8_counts[INPUT, 0]) == int(b.module.fp8_counts[INPUT, 0]) == 2 * 8 * 32
+    assert int((b.module.fp8_amax_history[INPUT] > 0).sum()) == 4
 
 
 def test_a_standalone_region_that_does_not_count_records_amaxes_alone_and_inner_regions_follow_it():
