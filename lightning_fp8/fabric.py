@@ -212,10 +212,11 @@ class FP8PrecisionBase(Precision):
             other steps the casts skip the counting (``quantize(counters=False)``): the counters are then sums over
             the counting steps, the fractions are those of the counting steps, and a logging interval without one
             logs no fractions. A step is an optimizer step (all micro-batches of an accumulation window count or
-            none); the first step counts. The steps are counted per state table (one per model and recipe), as the
-            optimizer that updates the model steps: with two optimizers taking turns (a GAN's generator and
-            discriminator), each model counts on its own steps 0, n, 2n, .... Compiled, the counting steps and the
-            others run two graphs (two compiles instead of one during warm-up).
+            none); the first step counts. The steps are counted per state table (one per model and recipe), on the
+            first optimizer that steps it: two models whose optimizers take turns (a GAN's generator and
+            discriminator) each count on their own steps 0, n, 2n, ...; optimizers taking turns over parts of one
+            model make one step per round. Compiled, the counting steps and the others run two graphs (two
+            compiles instead of one during warm-up; evaluation graphs are not affected).
 
     Attributes:
         high_precision_layers: ``{fully-qualified layer name: reason}`` of the layers kept in high precision by name
@@ -281,6 +282,8 @@ class FP8PrecisionBase(Precision):
             raise ValueError(f"statistics_every_n_steps must be an int >= 1, got {statistics_every_n_steps!r}")
         self.statistics_every_n_steps = statistics_every_n_steps
         self._stepped_tables: set[int] = set()  # tables whose step count moved since the last training forward
+        #: per table, the optimizer whose steps are its steps of statistics_every_n_steps (see _advance_statistics_steps)
+        self._statistics_clocks: weakref.WeakKeyDictionary[FP8StateTable, weakref.ref[Any]] = weakref.WeakKeyDictionary()
         self.compute_dtype = compute_dtype
         self.exclude = list(exclude)
         self.skip_unaligned = bool(skip_unaligned)
@@ -687,15 +690,14 @@ class FP8PrecisionBase(Precision):
         every = self.statistics_every_n_steps
         if every > 1:
             # each table counts on its own optimizer steps 0, n, 2n, ... (see after_optimizer_step); read at forward
-            # time by the layers (ForwardDecision.count_statistics), and back to counting outside the plugin's region
+            # time by the layers (ForwardDecision.count_statistics). On exit the flags go back to what they were: True
+            # outside the plugin's regions, the outer region's inside a nested one (a wrapped module called inside
+            # another one's forward, or inside fabric.autocast())
+            saved = [(table, table.count_statistics) for table in self._tables]
             for table in self._tables:
                 table.count_statistics = table.statistics_step % every == 0
-            stack.callback(self._count_everywhere)
+            stack.callback(_restore_count_flags, saved)
         return stack
-
-    def _count_everywhere(self) -> None:
-        for table in self._tables:
-            table.count_statistics = True
 
     # ------------------------------------------------------------------ the step
     @staticmethod
@@ -711,9 +713,7 @@ class FP8PrecisionBase(Precision):
         """The state tables of the models whose parameters ``optimizer`` updates. An optimizer over the parameters of
         no set-up model (a model wrapped in a way that replaced its parameters) rolls every table; one over a model
         without FP8 layers rolls none."""
-        inner = optimizer
-        while hasattr(inner, "optimizer") or hasattr(inner, "_optimizer"):  # Fabric / Lightning wrappers
-            inner = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer")
+        inner = _inner_optimizer(optimizer)
         groups = getattr(inner, "param_groups", [])
         size = sum(len(group["params"]) for group in groups)  # add_param_group() invalidates the cache
         cached = self._optimizer_tables.get(inner)
@@ -756,14 +756,27 @@ class FP8PrecisionBase(Precision):
         MAX-reduce the pending amaxes of the models ``optimizer`` updates (all models if ``None``) across ranks
         (one collective), then roll their histories."""
         tables = self._tables if optimizer is None else self._tables_of(optimizer)
-        for table in tables:  # the steps of statistics_every_n_steps: each table's own optimizer steps, once per
-            if id(table) not in self._stepped_tables:  # forward (two optimizers over one model make one step)
-                self._stepped_tables.add(id(table))
-                table.statistics_step += 1
+        self._advance_statistics_steps(tables, None if optimizer is None else _inner_optimizer(optimizer))
         all_reduce_pending_amax(tables)
         for table in tables:
             table.roll()
         self._gather_scales_stale = True  # the weights changed (and may change again through .data before the forward)
+
+    def _advance_statistics_steps(self, tables: list[FP8StateTable], optimizer: Any) -> None:
+        """One step of ``statistics_every_n_steps`` for each of ``tables`` that ``optimizer`` keeps time for: the first
+        optimizer that steps a table is its clock (``None``: every table steps), so that optimizers taking turns over
+        parts of one table (a generator and a discriminator in one module) make one step per round; and a table steps
+        at most once between two training forwards (two optimizers stepping after one forward make one step)."""
+        for table in tables:
+            if optimizer is not None:
+                clock = self._statistics_clocks.get(table)
+                if clock is None or clock() is None:
+                    self._statistics_clocks[table] = weakref.ref(optimizer)
+                elif clock() is not optimizer:
+                    continue
+            if id(table) not in self._stepped_tables:
+                self._stepped_tables.add(id(table))
+                table.statistics_step += 1
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -885,6 +898,19 @@ class FP8PrecisionBase(Precision):
         """Nothing device-side to free; a switch to high precision still waiting for the next forward is done now (a
         layer switched at the last training step is in high precision when ``fit`` returns)."""
         self._switch_kept_layers()
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Fabric's and Lightning's wrappers."""
+    inner = optimizer
+    while hasattr(inner, "optimizer") or hasattr(inner, "_optimizer"):
+        inner = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer")
+    return inner
+
+
+def _restore_count_flags(saved: list[tuple[FP8StateTable, bool]]) -> None:
+    for table, flag in saved:
+        table.count_statistics = flag
 
 
 def _retains_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

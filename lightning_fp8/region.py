@@ -204,6 +204,8 @@ def decide(module: torch.nn.Module, table: Any) -> ForwardDecision:
         enabled=True,
         record_forward=record,
         record_backward=record,
-        count_statistics=outermost.count_statistics and table.count_statistics,
+        # read only where the casts record: an evaluation graph then has no guard on the table's flag (compiled, a
+        # validation forward would otherwise compile once per value of it)
+        count_statistics=record and outermost.count_statistics and table.count_statistics,
         keep_weight_cast=outermost.defer_amax_history_roll,
     )

@@ -143,8 +143,11 @@ def test_compiled_counting_and_other_steps_run_one_graph_each_and_count_as_eager
     model = _model()
     model.blocks[0] = torch.compile(model.blocks[0], backend=backend)
     # one micro-batch per step: compiled, a weight's cast (and its counts) is per micro-batch, not per optimizer step
-    make_trainer(FP8Precision(statistics_every_n_steps=2), max_steps=STEPS).fit(model, _data())
-    assert backend.frame_count == 2  # the counting steps' graph and the others'; no more
+    trainer = make_trainer(FP8Precision(statistics_every_n_steps=2), max_steps=STEPS, val_check_interval=1,
+                           limit_val_batches=1, check_val_every_n_epoch=None)  # fmt: skip
+    trainer.fit(model, _data(), _data())
+    # the counting steps' graph, the others', and one for evaluation (which records nothing: its graph reads no flag)
+    assert backend.frame_count == 3
     assert dict(counters["graph_break"]) == {}
     e, c = per_layer(lf.fp8_state_dict(eager)), per_layer(lf.fp8_state_dict(model))
     assert {n.replace("._orig_mod", "") for n in c} == set(e)
@@ -255,3 +258,54 @@ def test_a_standalone_region_that_does_not_count_records_amaxes_alone_and_inner_
     with lf.fp8_autocast():
         model(x).square().mean().backward()
     assert int(model[0].fp8_counts[INPUT, 0]) == 8 * 32
+
+
+class _BodyHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x, which="body"):
+        return getattr(self, which)(x)
+
+
+def _fabric(every):
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=every)])
+
+
+def test_a_nested_forward_leaves_the_outer_regions_decision_alone():
+    # the wrapped model called inside fabric.autocast() enters the plugin's region a second time; on its exit the
+    # outer region must still not count on the steps in between (a review found it counting on every step)
+    fabric = _fabric(2)
+    torch.manual_seed(0)
+    net = _BodyHead()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    seen = []
+    for _ in range(4):
+        with fabric.autocast():
+            out = model.module.head(model(torch.randn(8, 32)))
+        fabric.backward(out.float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(int(net.head.fp8_counts[INPUT, 0]))
+    assert seen == [256, 256, 512, 512]
+
+
+def test_optimizers_taking_turns_over_parts_of_one_model_count_one_step_per_round():
+    # one table, two optimizers taking turns (a generator and a discriminator in one module): the first optimizer
+    # keeps time; with one step per optimizer step the second part would never count with n=2
+    fabric = _fabric(2)
+    torch.manual_seed(0)
+    net = _BodyHead()
+    opt_body = torch.optim.SGD(net.body.parameters(), lr=0.01)
+    opt_head = torch.optim.SGD(net.head.parameters(), lr=0.01)
+    model, opt_body, opt_head = fabric.setup(net, opt_body, opt_head)
+    for _ in range(4):
+        for which, optimizer in (("body", opt_body), ("head", opt_head)):
+            fabric.backward(model(torch.randn(8, 32), which).float().square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert int(net.body.fp8_counts[INPUT, 0]) == int(net.head.fp8_counts[INPUT, 0]) == 2 * 8 * 32
+    assert [t.statistics_step for t in fabric._precision.state_tables] == [4]
