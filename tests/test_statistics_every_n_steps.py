@@ -205,22 +205,27 @@ def test_statistics_every_n_steps_must_be_a_positive_int(value):
             plugin(statistics_every_n_steps=value)
 
 
-def test_fabric_counts_every_nth_step_of_each_model_and_once_for_two_optimizers_of_one_step():
+def _fabric(every):
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=2)])
+    return Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=every)])
+
+
+def _two_models(fabric):
+    """Two Linear layers set up as two models, each with its own SGD."""
     torch.manual_seed(0)
-    first, second = nn.Linear(32, 32), nn.Linear(32, 32)
-    first, opt1 = fabric.setup(first, torch.optim.SGD(first.parameters(), lr=0.01))
-    second, opt2 = fabric.setup(second, torch.optim.SGD(second.parameters(), lr=0.01))
+    return [fabric.setup(m, torch.optim.SGD(m.parameters(), lr=0.01)) for m in (nn.Linear(32, 32), nn.Linear(32, 32))]
+
+
+def test_fabric_counts_every_nth_step_of_each_model_and_once_for_two_optimizers_of_one_step():
+    fabric = _fabric(2)
+    (first, opt1), (second, opt2) = _two_models(fabric)
     seen = []
     for _ in range(4):  # one step: one forward through both models, both optimizers step
-        x = torch.randn(8, 32)
-        fabric.backward(second(first(x)).float().square().mean())
-        opt1.step()
-        opt2.step()
-        opt1.zero_grad()
-        opt2.zero_grad()
+        fabric.backward(second(first(torch.randn(8, 32))).float().square().mean())
+        for optimizer in (opt1, opt2):
+            optimizer.step()
+            optimizer.zero_grad()
         seen.append((int(first.module.fp8_counts[INPUT, 0]), int(second.module.fp8_counts[INPUT, 0])))
     assert seen == [(256, 256), (256, 256), (512, 512), (512, 512)]  # steps 0 and 2 counted, for both
 
@@ -228,19 +233,14 @@ def test_fabric_counts_every_nth_step_of_each_model_and_once_for_two_optimizers_
 def test_models_taking_turns_each_count_on_their_own_steps():
     # A GAN's schedule in a Fabric loop: each model does its own forward, backward and optimizer step, in turn. One
     # step count for the plugin would alias with n=2 (the second model's steps always odd: it would never count).
-    from lightning.fabric import Fabric
-
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=2)])
-    torch.manual_seed(0)
-    a, b = nn.Linear(32, 32), nn.Linear(32, 32)
-    a, opt_a = fabric.setup(a, torch.optim.SGD(a.parameters(), lr=0.01))
-    b, opt_b = fabric.setup(b, torch.optim.SGD(b.parameters(), lr=0.01))
+    fabric = _fabric(2)
+    (a, opt_a), (b, opt_b) = _two_models(fabric)
     for _ in range(4):
         for model, optimizer in ((a, opt_a), (b, opt_b)):
             fabric.backward(model(torch.randn(8, 32)).float().square().mean())
             optimizer.step()
             optimizer.zero_grad()
-    # each model's steps 0 and 2 counted: two steps of 8 x 32 inputs
+    # each model's steps 0 and 2 counted: two steps of 8 x 32 inputs; the amaxes on every step
     assert int(a.module.fp8_counts[INPUT, 0]) == int(b.module.fp8_counts[INPUT, 0]) == 2 * 8 * 32
     assert int((b.module.fp8_amax_history[INPUT] > 0).sum()) == 4
 
@@ -267,12 +267,6 @@ class _BodyHead(nn.Module):
 
     def forward(self, x, which="body"):
         return getattr(self, which)(x)
-
-
-def _fabric(every):
-    from lightning.fabric import Fabric
-
-    return Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(statistics_every_n_steps=every)])
 
 
 def test_a_nested_forward_leaves_the_outer_regions_decision_alone():
