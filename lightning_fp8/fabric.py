@@ -888,7 +888,7 @@ class FP8PrecisionBase(Precision):
             table.statistics_step = int(step)
         if self._load_ratio is not None:  # the gradients were recorded under another loss scale than the new one
             ratio = torch.tensor(self._load_ratio, dtype=torch.float32)
-            for table in state_tables(model):
+            for table in tables:
                 if id(table) not in self._rescaled:  # a table shared by two models is rescaled once
                     self._rescaled.add(id(table))
                     table.rescale_grad_output(ratio)
