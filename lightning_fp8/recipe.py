@@ -409,18 +409,29 @@ def amax_to_scale(
     arithmetic, so the tensor's own amax is never counted as an overflow (round-to-nearest pushes it
     one ulp past ``fp8_max`` in a few percent of casts). A NaN amax gives a NaN scale, an infinite
     amax a zero scale; callers decide what to do with those.
+
+    With ``power_of_2`` the scale is rounded down to a power of two: the largest power of two not above that float32
+    scale, which is the largest one not above the float64 quotient itself (rounding toward zero to float32 cannot
+    cross a power of two, each being a float32; below float32's smallest subnormal both give zero). So it is the
+    quotient with its mantissa bits cleared (exact: a float64 power of two), then converted to float32 (exact down
+    to 2**-149; 2**-150 and below round to zero). A NaN quotient would become an infinity: adding ``quotient * 0``
+    (zero, or NaN) keeps it NaN. Eight operations where rounding to float32 and then to a power of two took sixteen
+    (eager on a GPU each is a kernel launch); ``tests/test_recipe.py`` checks that the two give the same bits.
     """
     exact = fp8_max / torch.clamp(amax.to(torch.float64), min=amax_eps())
     if margin:
         exact = exact / (2.0**margin)
+    if power_of_2:
+        power = (exact.view(torch.int64) & _FLOAT64_EXPONENT_BITS).view(torch.float64)
+        return stored((power + exact * 0.0).to(torch.float32))
     scale = exact.to(torch.float32)
     scale = torch.where(scale.to(torch.float64) > exact, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-    if power_of_2:
-        rounded = torch.exp2(torch.floor(torch.log2(scale)))
-        # float32 log2 rounds a scale just below 2**k up to exactly k: step back so the result is never
-        # above the scale (a larger scale would push the amax past fp8_max and count it as an overflow).
-        scale = torch.where(rounded > scale, rounded * 0.5, rounded)
     return stored(scale)
+
+
+#: The sign and exponent bits of a float64 (its 52 mantissa bits cleared): ``x & mask`` is ``x`` rounded down to a
+#: power of two, for a positive normal ``x``.
+_FLOAT64_EXPONENT_BITS = -(1 << 52)
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:

@@ -242,6 +242,66 @@ def test_scaled_amax_never_exceeds_fp8_max(fp8_max):
     assert ((amax * (fp8_max / amax)) > fp8_max).any()
 
 
+def _rounded_then_power_of_two(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """The power-of-two scale as it was computed before: the float64 quotient rounded toward zero to float32, then
+    ``exp2(floor(log2(scale)))``, stepped down where float32 log2 rounded up."""
+    exact = fp8_max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)
+    if margin:
+        exact = exact / 2.0**margin
+    scale = exact.to(torch.float32)
+    scale = torch.where(scale.to(torch.float64) > exact, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    rounded = torch.exp2(torch.floor(torch.log2(scale)))
+    return torch.where(rounded > scale, rounded * 0.5, rounded)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("fp8_max, margin", [(E4M3_MAX, 0), (E5M2_MAX, 0), (E4M3_MAX, 3)])
+def test_power_of_two_scale_from_the_quotients_exponent_bits(fp8_max, margin):
+    """``power_of_2`` clears the float64 quotient's mantissa bits instead of rounding to float32 and then to a power
+    of two: the same bits. Here on every 4099th positive float32 bit pattern (all exponents, subnormals, infinity,
+    NaNs), each float32 whose quotient lies on, just above or just below a power of two, and float64 amaxes whose
+    scale is a float32 subnormal or underflows to zero (all 2**31 positive float32 patterns were checked once, for
+    both formats and a margin: the same bits). Eager and compiled."""
+    bits = torch.arange(0, 2**31, 4099, dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([fp8_max / 2.0**k for k in range(-60, 130)], dtype=torch.float32)
+    ulp = torch.full_like(edges, math.inf)
+    amax = torch.cat([bits.view(torch.float32), edges, torch.nextafter(edges, ulp), torch.nextafter(edges, -ulp)])
+    expected = _rounded_then_power_of_two(amax, fp8_max, margin)
+    assert _same_bits(amax_to_scale(amax, fp8_max, margin, power_of_2=True), expected)
+    wide = torch.logspace(-320, 308, 20001, dtype=torch.float64)  # float64 models: scales down to zero
+    assert _same_bits(amax_to_scale(wide, fp8_max, margin, True), _rounded_then_power_of_two(wide, fp8_max, margin))
+    torch._dynamo.reset()
+    compiled = torch.compile(amax_to_scale, backend="inductor", fullgraph=True)
+    assert _same_bits(compiled(amax, fp8_max, margin, True), expected)
+
+
+def test_power_of_two_scale_kernels():
+    """Eager, a power-of-two scale is eight operations (to float64, clamp, reciprocal and product, mask, NaN carry
+    (a product and a sum), to float32) where the float32 rounding and then the power-of-two rounding took sixteen:
+    eager on a GPU each is a kernel launch, six casts per layer and step under ``rowwise``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket not in (torch.ops.aten.view, torch.ops.aten.detach):  # views launch nothing
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    amax = torch.rand(64, 1)
+    with Count() as counted:
+        amax_to_scale(amax, E4M3_MAX, 0, power_of_2=True)
+    with Count() as before:
+        _rounded_then_power_of_two(amax, E4M3_MAX, 0)
+    assert len(counted.ops) == 8 and len(before.ops) == 16, (counted.ops, before.ops)
+
+
 def test_amax_to_scale_non_finite():
     got = amax_to_scale(torch.tensor([math.nan, math.inf]), E4M3_MAX)
     assert math.isnan(got[0].item()) and got[1].item() == 0.0
