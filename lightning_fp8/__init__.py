@@ -7,6 +7,7 @@ Public API:
   statistics for a Fabric or plain PyTorch loop;
 * :class:`FP8FallbackCallback`: switch layers that keep overflowing to high precision for the rest of a run;
 * :class:`FP8Linear`, :func:`fp8_autocast`: the FP8 layer and the region it computes in FP8;
+  :func:`weights_may_have_changed`: after changing weights through ``.data`` within an optimizer step;
 * :func:`convert_to_fp8`, :func:`convert_from_fp8`, :class:`ConversionReport`: swapping layers;
 * :func:`sensitivity_report`, :class:`FP8SensitivityCallback`: which layers should stay in high precision;
 * :class:`FP8Recipe`: the scaling recipes (``tensorwise``, ``delayed``, ``rowwise``) and formats;
@@ -24,7 +25,7 @@ from lightning_fp8.distributed import FP8ColwiseParallel, FP8RowwiseParallel
 from lightning_fp8.fabric import prepare_for_sharding
 from lightning_fp8.fallback import FP8FallbackCallback
 from lightning_fp8.gemm import gemm_path
-from lightning_fp8.linear import FP8Linear
+from lightning_fp8.linear import FP8Linear, weights_may_have_changed
 from lightning_fp8.precision import FP8Precision
 from lightning_fp8.recipe import FP8Recipe
 from lightning_fp8.region import fp8_autocast, is_fp8_autocast_enabled
@@ -57,4 +58,5 @@ __all__ = [
     "prepare_for_sharding",
     "roll_amax_history",
     "sensitivity_report",
+    "weights_may_have_changed",
 ]

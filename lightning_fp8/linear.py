@@ -36,12 +36,14 @@ within a step; a provider that hands them over at every micro-batch is not count
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -56,6 +58,32 @@ from lightning_fp8.state import FP8StateTable
 #: Cast each weight once per optimizer step (see :class:`FP8Linear`); ``False`` casts it at every use (the tests
 #: compare the two bit for bit).
 CACHE_WEIGHT_CASTS = True
+
+#: Moves whenever weights may have changed without their version counters showing it (see
+#: :func:`weights_may_have_changed`); a kept FP8 weight cast is valid within one value of it.
+_weights_epoch = 0
+
+
+def weights_may_have_changed() -> None:
+    """Make every FP8 weight cast kept for reuse within an optimizer step (see :class:`FP8Linear`) stale: the next
+    forward casts again.
+
+    Called after every ``torch.optim`` optimizer step, by a post-step hook this module registers for all optimizers
+    (``torch.optim.optimizer.register_optimizer_step_post_hook``): a step that does not go through the precision
+    plugin (an optimizer not passed to Fabric's ``setup``, the Trainer's ``self.optimizers(use_pl_optimizer=False)``)
+    changes the weights too, and fused optimizers do not bump their version counters. Call it after changing
+    weights in place in a way that bypasses the version counter (writes through ``.data``) between two forwards
+    of one optimizer step.
+    """
+    global _weights_epoch
+    _weights_epoch += 1
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    weights_may_have_changed()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 #: Layers that read the same input tensor (attention's q/k/v, the MLP's gate/up) share its FP8 casts: one cast, and
 #: one FP8 copy saved for backward instead of one per layer (``delayed``: between rows of one state table whose input
@@ -87,6 +115,9 @@ class _LinearCall:
     #: the input's history-scaled cast came from another layer's (``delayed``): an activation-checkpointing
     #: recomputation must replay exactly its scale
     input_scale_final: bool = False
+    #: the forward recorded autograd (``torch.is_grad_enabled()``): only such forwards, and their backwards, keep and
+    #: reuse weight casts (see ``quantize_weight``)
+    records_autograd: bool = True
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views where the row is an int).
@@ -195,9 +226,18 @@ class _LinearCall:
         provided = provider(self.layer, spec, history) if provider is not None else None
         if provided is None:
             # kept only under a precision plugin (which rolls once per optimizer step), never under compile (the graph
-            # fuses the cast) nor inference_mode (an inference tensor must not reach a later autograd forward)
+            # fuses the cast) nor inference_mode (an inference tensor must not reach a later autograd forward), and
+            # only by forwards that record autograd, and their backwards: an evaluation forward (no_grad) casts every
+            # time, since weight averaging swaps the averaged weights in through .data around evaluation (no version
+            # bump; a layer kept in eval() sees no mode switch either): its casts must neither reuse nor be reused by
+            # training's
             keep = CACHE_WEIGHT_CASTS and self.decision.keep_weight_cast and not self.layer._fp8_sharded and self.tp is None
-            if not keep or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            if (
+                not keep
+                or not self.records_autograd
+                or torch.compiler.is_compiling()
+                or torch.is_inference_mode_enabled()
+            ):
                 return self.quantize(weight, spec, record, history)
             return self.cached_weight_cast(weight, spec, record, history, replayed)
         if record and provided.stats is not None:
@@ -213,25 +253,32 @@ class _LinearCall:
         self, weight: Tensor, spec: CastSpec, record: bool, history: tuple[Tensor, Tensor] | None, replayed: bool
     ) -> Quantized:
         """The FP8 weight for ``spec``, cast once per optimizer step (see :class:`FP8Linear`): reused while the weight
-        (its version counter and storage) and the state table's generation are those it was cast under. A
-        recomputation (``replayed``: the forward's scale) reuses only the forward's own cast, and keeps nothing."""
-        key = (id(self.table), self.table.generation, weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        (the same tensor object, its version counter and storage), the state table's generation and the weights
+        epoch (:func:`weights_may_have_changed`: any optimizer step) are those it was cast under. A recomputation
+        (``replayed``: the forward's scale) reuses only the forward's own cast, and keeps nothing."""
+        key = (
+            id(self.table), self.table.generation, _weights_epoch, weight._version, weight.data_ptr(), weight.dtype,
+            weight.device,
+        )  # fmt: skip
         cache = self.layer.__dict__.setdefault("_fp8_weight_casts", {})
         entry = cache.get(spec)
+        # the tensor object itself, not only its address: the allocator gives a freed weight's memory to a new tensor
+        # (functional_call over candidate weights), whose version counter starts at the same value
+        valid = entry is not None and entry[0] == key and entry[3]() is weight
         if replayed:
-            if entry is not None and entry[0] == key and history is not None and entry[1].scale is history[0]:
+            if valid and history is not None and entry[1].scale is history[0]:
                 return entry[1]
             return self.quantize(weight, spec, record, history)
-        if entry is not None and entry[0] == key:
+        if valid:
             q, recorded = entry[1], entry[2]
             if not record or recorded:
                 return q
             if q.stats is not None:  # cast with statistics, not recorded yet in this window
                 self.record(spec.role, q)
-                cache[spec] = (key, q, True)
+                cache[spec] = (key, q, True, entry[3])
                 return q
         q = self.quantize(weight, spec, record, history)
-        cache[spec] = (key, q, record)
+        cache[spec] = (key, q, record, weakref.ref(weight))
         return q
 
     def record(self, role: int, q: Quantized) -> None:
@@ -409,17 +456,20 @@ class FP8Linear(FP8Module, nn.Linear):
 
     Each weight is cast to FP8 once per optimizer step, not once per micro-batch: the FP8 weight (and, for the
     recipes whose backward casts the weight differently, that cast too) is kept on the layer and reused while the
-    weight is unchanged (same version counter and storage) and the state table has not rolled (the precision
-    plugin rolls once per optimizer step; a standalone ``fp8_autocast()`` when its outermost region exits). With
-    ``accumulate_grad_batches=k`` the other k-1 micro-batches, forward and backward, and an activation-checkpointing
-    recomputation reuse it; the results are bit-identical to casting at every use, and the weight's statistics are
-    recorded once per step. The kept copy costs one byte per weight element; it is dropped when the layer switches
-    between ``train()`` and ``eval()`` (weight-averaging callbacks swap the weights through ``.data`` around
-    evaluation) and when it moves or changes dtype. Any other in-place change of a weight that bypasses its version
-    counter between two micro-batches of one optimizer step (``weight.data.copy_(...)``) is not seen. Only under a
-    precision plugin: a standalone ``fp8_autocast()`` cannot tell when an optimizer changed a weight without bumping
-    its version (fused optimizers do), so its layers cast at every use; so does ``torch.compile`` (the compiler
-    fuses the cast into the graph).
+    weight is unchanged (the same tensor object, version counter and storage), the state table has not rolled (the
+    precision plugin rolls once per optimizer step; a standalone ``fp8_autocast()`` when its outermost region exits)
+    and no ``torch.optim`` optimizer has stepped since (:func:`weights_may_have_changed`: a step the plugin does not
+    see, or a fused one, which moves no version counter). With ``accumulate_grad_batches=k`` the other k-1
+    micro-batches, forward and backward, and an activation-checkpointing recomputation reuse it; the results are
+    bit-identical to casting at every use, and the weight's statistics are recorded once per step. The kept copy
+    costs one byte per weight element. Only training forwards (autograd recording) and their backwards keep and reuse
+    it: an evaluation forward (``no_grad``) casts every time, so weights that weight averaging swaps in through
+    ``.data`` around evaluation (no version bump, and a layer kept in ``eval()`` sees no mode switch) are cast as
+    they are, and never reach training. It is also dropped when the layer switches between ``train()`` and ``eval()``
+    and when it moves or changes dtype. Any other in-place change of a weight that bypasses its version counter
+    between two training forwards of one optimizer step (``weight.data.copy_(...)``) is not seen: call
+    :func:`weights_may_have_changed` after it. Only under a precision plugin: a standalone ``fp8_autocast()`` casts
+    at every use; so does ``torch.compile`` (the compiler fuses the cast into the graph).
 
     Layers that read the same input tensor (attention's q, k and v projections, the gate and up projections of a
     SwiGLU MLP) share its FP8 casts: the input is cast once, and the layers save one FP8 copy of it for backward
@@ -564,6 +614,7 @@ class FP8Linear(FP8Module, nn.Linear):
         compiled_row = torch.compiler.is_compiling() and decision.keep_weight_cast
         index = state.row() if compiled_row else state.index
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
+        call.records_autograd = torch.is_grad_enabled()
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable

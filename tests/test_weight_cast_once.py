@@ -180,6 +180,102 @@ def test_weights_swapped_through_data_around_evaluation_are_seen(monkeypatch, tm
     assert cached and cached == run(False)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weights_swapped_around_evaluation_are_seen_by_a_layer_kept_in_eval_mode(recipe, monkeypatch):
+    """A trained block kept in ``eval()`` (dropout off) never switches mode, and Lightning restores modes after
+    validation by assigning ``module.training`` (no ``train()`` call): nothing dropped the kept casts. With
+    WeightAveraging (EMA, swapped in and out through ``.data``), validation reused the training weights' cast, and
+    the training step after it the averaged weights' (a cast kept by the validation forward, under ``no_grad``):
+    losses and weights off by up to about a thousandth, no error. Training, validation and the weights must equal
+    casting at every use, bit for bit."""
+    from lightning.pytorch.callbacks import WeightAveraging
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    class Model(TinyDecoder):
+        def on_train_batch_start(self, batch, batch_idx):
+            self.blocks.eval()  # trained, without dropout
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.train_losses.append(loss.detach().clone())
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.val_losses.append(self.loss(batch).detach().clone())
+
+    def run(cache):
+        monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+        torch.manual_seed(0)
+        model = Model(layers=1, dim=32)
+        model.train_losses, model.val_losses = [], []
+        ema = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        trainer = make_trainer(
+            lf.FP8Precision(recipe=recipe), callbacks=[ema], max_steps=4, val_check_interval=2, limit_val_batches=1,
+            num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(model, loader(n=4_000), loader(n=2_000))
+        return model
+
+    cached, every_use = run(True), run(False)
+    assert len(cached.train_losses) == 4 and len(cached.val_losses) == 2
+    assert all(torch.equal(a, b) for a, b in zip(cached.train_losses, every_use.train_losses))
+    assert all(torch.equal(a, b) for a, b in zip(cached.val_losses, every_use.val_losses))
+    for (name, a), b in zip(cached.state_dict().items(), every_use.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_new_weight_tensor_where_the_kept_casts_weight_was_is_cast_again():
+    """A kept cast belongs to one weight tensor object: a new tensor at the same address with the same version
+    counter (the allocator reuses a freed weight's memory; here, deterministically, fresh tensors over one buffer)
+    is cast again. ``torch.func.functional_call`` over candidate weights (perturbations, checkpoints) gave each
+    candidate the first one's cast: outputs off by up to half their size, no error."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    layer = lf.FP8Linear(64, 64, bias=False)
+    layer.eval()
+    x = torch.randn(8, 64)
+    buffer = torch.empty_like(layer.weight)
+    outs, expected = [], []
+    for i in range(3):
+        buffer.data.copy_(layer.weight.detach() * (1 + i))  # no version bump on buffer
+        candidate = buffer.detach()  # a new tensor object: same storage, same version counter value
+        with lf.fp8_autocast(defer_amax_history_roll=True):  # what the precision plugins' forward_context enters
+            outs.append(functional_call(layer, {"weight": candidate}, (x,)))
+        with lf.fp8_autocast():  # a standalone region keeps nothing
+            expected.append(functional_call(layer, {"weight": candidate.clone()}, (x,)))
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected))
+
+
+def test_an_optimizer_step_the_plugin_does_not_see_is_seen(monkeypatch):
+    """An optimizer that does not go through the plugin (Fabric: not passed to ``setup``; the Trainer's
+    ``self.optimizers(use_pl_optimizer=False)``) still changes the weights: the kept casts must not outlive its step.
+    A fused optimizer does not bump the weights' version counters, so the first step's casts were reused for the
+    whole run: the weights trained, the FP8 layers never saw it (loss 1.09 after five steps instead of 0.49)."""
+    from lightning.fabric import Fabric
+
+    from lightning_fp8.fabric import FP8Precision
+
+    def run(cache):
+        monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+        torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FP8Precision()])
+        model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # not set up through Fabric
+        x, y = torch.randn(32, 64), torch.randn(32, 16)
+        losses = []
+        for _ in range(4):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    cached, every_use = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(cached, every_use)), (cached, every_use)
+
+
 def test_a_dtype_round_trip_drops_the_kept_cast():
     torch.manual_seed(0)
     layer = lf.FP8Linear(64, 64, bias=False)
