@@ -6,7 +6,8 @@ were inlined into the cast and into the GEMM's output scaling, loops over the da
 from its amax for every output element. ``lightning_fp8.recipe.stored`` makes inductor store them once.
 
 The check reads the C++ that inductor generates for one training step of an FP8 layer on the CPU and finds, for
-every evaluation of the formula (its ``nextafter``) and every ``reciprocal``, the loops around it: the elements they
+every evaluation of the formula (its ``nextafter``, or for a power-of-two scale the float64 exponent mask) and every
+``reciprocal``, the loops around it: the elements they
 cover must be fewer than those of the smallest tensor the step casts (a scale tensor has one element per tensor, row,
 column or block; a loop over the data covers at least the smallest tensor).
 
@@ -113,7 +114,9 @@ def test_loop_extents_reads_nesting():
 def test_scales_are_computed_once_per_scale_element_under_compile(recipe):
     code = _compiled_step_code(recipe)
     smallest_cast = TOKENS * IN
-    formula = _loop_extents(code, "nextafter(")
+    from lightning_fp8.recipe import _FLOAT64_EXPONENT_BITS
+
+    formula = _loop_extents(code, "nextafter(") + _loop_extents(code, str(_FLOAT64_EXPONENT_BITS))
     assert formula, "the scale formula should appear in the generated code"
     assert max(formula) < smallest_cast, f"{recipe}: the scale formula runs in a loop over {max(formula)} elements"
     inverse = _loop_extents(code, "reciprocal()")
