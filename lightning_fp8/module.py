@@ -33,6 +33,13 @@ class FP8Module(nn.Module):
         self._fp8_decision = None
         self._fp8_weight_casts = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the kept weight casts are transient (and hold weak references, which do not pickle): a pickled or saved
+        # layer starts without them
+        state = dict(super().__getstate__())
+        state.pop("_fp8_weight_casts", None)
+        return state
+
     def remove_fp8_state(self) -> None:
         """Forget the FP8 state (used when turning the layer back into its high-precision original)."""
         self.__dict__.pop("fp8_state", None)

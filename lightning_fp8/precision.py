@@ -11,6 +11,7 @@ precision plugins no hook between the checkpoint restore and the first batch).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +26,7 @@ from typing_extensions import override
 
 from lightning_fp8.calibration import _loss_tensor, calibrate_with, first_training_batches, muted_logging
 from lightning_fp8.fabric import FP8PrecisionBase, warn_if_retained_graph_under_compile
+from lightning_fp8.linear import weights_may_have_changed
 from lightning_fp8.state import state_tables
 
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
@@ -55,6 +57,36 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
     (``HalfPrecision`` is a base class only so that Lightning's throughput utilities read the right
     peak FLOPs; see :class:`lightning_fp8.fabric.FP8PrecisionBase`.)
     """
+
+    def _step_phase(self, training: bool) -> None:
+        """Entering a training step after an evaluation step, or the other way round: the weights may have been
+        swapped through ``.data`` in between (Lightning's ``WeightAveraging`` swaps the averaged weights in around
+        validation, moving no version counter), so the FP8 weight casts kept for reuse are made stale
+        (:func:`~lightning_fp8.weights_may_have_changed`). Evaluation forwards without gradients keep none anyway;
+        this covers an evaluation step that enables them."""
+        if getattr(self, "_training_phase", None) != training:
+            self._training_phase = training
+            weights_may_have_changed()
+
+    @override
+    def train_step_context(self) -> AbstractContextManager:
+        self._step_phase(True)
+        return super().train_step_context()
+
+    @override
+    def val_step_context(self) -> AbstractContextManager:
+        self._step_phase(False)
+        return super().val_step_context()
+
+    @override
+    def test_step_context(self) -> AbstractContextManager:
+        self._step_phase(False)
+        return super().test_step_context()
+
+    @override
+    def predict_step_context(self) -> AbstractContextManager:
+        self._step_phase(False)
+        return super().predict_step_context()
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

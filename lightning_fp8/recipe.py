@@ -422,6 +422,7 @@ def amax_to_scale(
     if margin:
         exact = exact / (2.0**margin)
     if power_of_2:
+        exact = exact.to(torch.float64)  # already (a float32 tensor fp8_max, outside the contract, would not be)
         power = (exact.view(torch.int64) & _FLOAT64_EXPONENT_BITS).view(torch.float64)
         return stored((power + exact * 0.0).to(torch.float32))
     scale = exact.to(torch.float32)

@@ -3,6 +3,9 @@ accumulation, activation checkpointing and validation in between, and bit-identi
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+
 import pytest
 import torch
 from models import TinyDecoder, loader
@@ -180,14 +183,16 @@ def test_weights_swapped_through_data_around_evaluation_are_seen(monkeypatch, tm
     assert cached and cached == run(False)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_weights_swapped_around_evaluation_are_seen_by_a_layer_kept_in_eval_mode(recipe, monkeypatch):
+@pytest.mark.parametrize(("recipe", "grad_in_validation"), [("tensorwise", False), ("delayed", False), ("tensorwise", True)])
+def test_weights_swapped_around_evaluation_are_seen_by_a_layer_kept_in_eval_mode(recipe, grad_in_validation, monkeypatch):
     """A trained block kept in ``eval()`` (dropout off) never switches mode, and Lightning restores modes after
     validation by assigning ``module.training`` (no ``train()`` call): nothing dropped the kept casts. With
     WeightAveraging (EMA, swapped in and out through ``.data``), validation reused the training weights' cast, and
     the training step after it the averaged weights' (a cast kept by the validation forward, under ``no_grad``):
     losses and weights off by up to about a thousandth, no error. Training, validation and the weights must equal
-    casting at every use, bit for bit."""
+    casting at every use, bit for bit; also with a validation step that computes with gradients
+    (``inference_mode=False`` and ``torch.enable_grad()``: a metric that needs input gradients), whose forwards may
+    keep casts (the plugin makes them stale when the steps change between validation and training)."""
     from lightning.pytorch.callbacks import WeightAveraging
     from torch.optim.swa_utils import get_ema_multi_avg_fn
 
@@ -201,7 +206,8 @@ def test_weights_swapped_around_evaluation_are_seen_by_a_layer_kept_in_eval_mode
             return loss
 
         def validation_step(self, batch, batch_idx):
-            self.val_losses.append(self.loss(batch).detach().clone())
+            with torch.enable_grad() if grad_in_validation else contextlib.nullcontext():
+                self.val_losses.append(self.loss(batch).detach().clone())
 
     def run(cache):
         monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
@@ -211,7 +217,7 @@ def test_weights_swapped_around_evaluation_are_seen_by_a_layer_kept_in_eval_mode
         ema = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.5))
         trainer = make_trainer(
             lf.FP8Precision(recipe=recipe), callbacks=[ema], max_steps=4, val_check_interval=2, limit_val_batches=1,
-            num_sanity_val_steps=0,
+            num_sanity_val_steps=0, inference_mode=not grad_in_validation,
         )  # fmt: skip
         trainer.fit(model, loader(n=4_000), loader(n=2_000))
         return model
@@ -274,6 +280,61 @@ def test_an_optimizer_step_the_plugin_does_not_see_is_seen(monkeypatch):
 
     cached, every_use = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(cached, every_use)), (cached, every_use)
+
+
+def test_a_layer_with_kept_casts_pickles():
+    """The kept casts are transient (and hold a weak reference to their weight, which does not pickle): a model saved
+    whole in the middle of an optimizer step (``torch.save(model)`` from a callback) pickles without them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(lf.FP8Linear(32, 32), torch.nn.GELU(), lf.FP8Linear(32, 32))
+    x = torch.randn(8, 32)
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        model(x).sum().backward()
+    assert model[0]._fp8_weight_casts  # kept for the next micro-batch
+    restored = pickle.loads(pickle.dumps(model))
+    assert not restored[0].__dict__.get("_fp8_weight_casts")
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        assert torch.equal(restored(x), model(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_checkpointed_layers_cast_each_weight_once_per_step(recipe, reentrant, monkeypatch):
+    """Under activation checkpointing each weight is still cast once per optimizer step, forward and backward: a
+    reentrant checkpoint's first forward runs under ``no_grad`` (still a training forward: the layer is in training
+    mode), and the backward's saved weight is another tensor object over the same storage (checkpoint's saved-tensor
+    hooks hand back a detached alias); neither may lose the kept cast. The results equal casting at every use."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(cache):
+        monkeypatch.setattr(fp8_linear, "CACHE_WEIGHT_CASTS", cache)
+        calls = _count_weight_casts(monkeypatch)
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(2))
+        lf.convert_to_fp8(blocks, recipe=recipe, log_summary=False)
+        optimizer = torch.optim.SGD(blocks.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            for micro in range(4):
+                x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + micro), requires_grad=True)
+                with lf.fp8_autocast(defer_amax_history_roll=True):
+                    for block in blocks:
+                        x = checkpoint(block, x, use_reentrant=reentrant)
+                x.pow(2).mean().backward()
+                losses.append(x.detach())
+            optimizer.step()
+            optimizer.zero_grad()
+            lf.roll_amax_history(blocks)
+        return losses, calls, blocks
+
+    cached, calls, blocks = run(True)
+    every_use, _, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(cached, every_use))
+    specs = blocks[0][0].fp8_state.table.specs
+    recorded = sum(1 for _, statistics in calls if statistics)
+    assert recorded == 2 * 2, calls  # two layers, two optimizer steps
+    if not specs.weight_reused:  # rowwise: the backward casts the weight along its other axis, once per step too
+        assert sum(1 for spec, _ in calls if spec == specs.grad_input[1]) == 2 * 2
 
 
 def test_a_dtype_round_trip_drops_the_kept_cast():
