@@ -115,12 +115,12 @@ class _LinearCall:
     #: the input's history-scaled cast came from another layer's (``delayed``): an activation-checkpointing
     #: recomputation must replay exactly its scale
     input_scale_final: bool = False
-    #: the forward may keep and reuse weight casts (see ``quantize_weight``): it recorded autograd or the layer was in
-    #: training mode (a reentrant activation checkpoint's first forward runs under ``no_grad``); its backward too
+    #: the forward may keep and reuse weight casts (see ``quantize_weight``): it recorded autograd; its backward too
     keeps_weight_casts: bool = True
-    #: the weight tensor the forward read: a kept cast belongs to it (the backward's saved weight may be another
-    #: tensor object over the same storage, as activation checkpointing's saved-tensor hooks return)
-    weight: Tensor | None = None
+    #: a weak reference to the weight tensor the forward read: a kept cast belongs to it (the backward's saved weight
+    #: may be another tensor object over the same storage, as activation checkpointing's saved-tensor hooks return);
+    #: weak, so that a weight computed in the forward (``functional_call``, a parametrization) is not kept alive
+    weight_ref: Callable[[], Tensor | None] | None = None
 
     def history(self, role: int) -> tuple[Tensor, Tensor]:
         """``(history scale, history usable)`` of ``role`` in the table (views where the row is an int).
@@ -232,10 +232,11 @@ class _LinearCall:
         if provided is None:
             # kept only under a precision plugin (which rolls once per optimizer step), never under compile (the graph
             # fuses the cast) nor inference_mode (an inference tensor must not reach a later autograd forward), and
-            # only by training forwards (autograd recording, or the layer in training mode) and their backwards: an
-            # evaluation forward (no_grad, eval mode) casts every time, since weight averaging swaps the averaged
-            # weights in through .data around evaluation (no version bump; a layer kept in eval() while it is trained
-            # sees no mode switch either): its casts must neither reuse nor be reused by training's
+            # only by forwards that record autograd, and their backwards: a forward under no_grad casts every time
+            # (evaluation, a teacher's forward), since weights swapped in through .data for it (weight averaging around
+            # validation, a teacher's weights) move no version counter, and a layer kept in eval() while it is
+            # trained sees no mode switch either: its casts must neither reuse nor be reused by training's. (A
+            # reentrant activation checkpoint's first forward runs under no_grad too: it casts every time.)
             keep = CACHE_WEIGHT_CASTS and self.decision.keep_weight_cast and not self.layer._fp8_sharded and self.tp is None
             if (
                 not keep
@@ -269,7 +270,7 @@ class _LinearCall:
         entry = cache.get(spec)
         # the tensor object itself, not only its address: the allocator gives a freed weight's memory to a new tensor
         # (functional_call over candidate weights), whose version counter starts at the same value
-        owner = self.weight if self.weight is not None else weight
+        owner = self.weight_ref() if self.weight_ref is not None else weight  # None once a computed weight is freed
         valid = entry is not None and entry[0] == key and entry[3]() is owner
         if replayed:
             if valid and history is not None and entry[1].scale is history[0]:
@@ -284,7 +285,8 @@ class _LinearCall:
                 cache[spec] = (key, q, True, entry[3])
                 return q
         q = self.quantize(weight, spec, record, history)
-        cache[spec] = (key, q, record, weakref.ref(owner))
+        if owner is not None:
+            cache[spec] = (key, q, record, weakref.ref(owner))
         return q
 
     def record(self, role: int, q: Quantized) -> None:
@@ -468,12 +470,13 @@ class FP8Linear(FP8Module, nn.Linear):
     see, or a fused one, which moves no version counter). With ``accumulate_grad_batches=k`` the other k-1
     micro-batches, forward and backward, and an activation-checkpointing recomputation reuse it; the results are
     bit-identical to casting at every use, and the weight's statistics are recorded once per step. The kept copy
-    costs one byte per weight element. Only training forwards (autograd recording, or the layer in training mode)
-    and their backwards keep and reuse it: an evaluation forward (``no_grad`` in ``eval()``) casts every time, so
-    weights that weight averaging swaps in through ``.data`` around evaluation (no version bump, and a layer kept in
-    ``eval()`` while it is trained sees no mode switch) are cast as they are, and never reach training; the Trainer
-    plugin also makes the kept casts stale when its steps change between training and evaluation (an evaluation step
-    that enables gradients). It is also dropped when the layer switches between ``train()`` and ``eval()``
+    costs one byte per weight element. Only forwards that record autograd and their backwards keep and reuse it: a
+    forward under ``no_grad`` (evaluation, a teacher's forward; also a reentrant activation checkpoint's first
+    forward, which therefore casts at every micro-batch) casts every time, so weights swapped in through ``.data``
+    for it (weight averaging around evaluation: no version bump, and a layer kept in ``eval()`` while it is trained
+    sees no mode switch) are cast as they are, and never reach training; the Trainer plugin also makes the kept
+    casts stale when its steps change between training and evaluation (an evaluation step that enables
+    gradients). It is also dropped when the layer switches between ``train()`` and ``eval()``
     and when it moves or changes dtype. Any other in-place change of a weight that bypasses its version counter
     between two training forwards of one optimizer step (``weight.data.copy_(...)``) is not seen: call
     :func:`weights_may_have_changed` after it. Only under a precision plugin: a standalone ``fp8_autocast()`` casts
@@ -622,8 +625,8 @@ class FP8Linear(FP8Module, nn.Linear):
         compiled_row = torch.compiler.is_compiling() and decision.keep_weight_cast
         index = state.row() if compiled_row else state.index
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
-        call.keeps_weight_casts = torch.is_grad_enabled() or self.training
-        call.weight = weight
+        call.keeps_weight_casts = torch.is_grad_enabled()
+        call.weight_ref = weakref.ref(weight)
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable

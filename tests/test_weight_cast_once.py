@@ -282,6 +282,59 @@ def test_an_optimizer_step_the_plugin_does_not_see_is_seen(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(cached, every_use)), (cached, every_use)
 
 
+def test_a_teachers_no_grad_forward_on_weights_swapped_through_data_is_cast_afresh():
+    """A teacher's forward inside a training step: the teacher's (EMA) weights copied in through ``.data`` (no version
+    bump), a forward under ``no_grad`` with the layers still in training mode, the student's weights copied back. The
+    teacher's forward must not reuse the student's kept cast, nor leave its own for the student's next forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(lf.FP8Linear(64, 64), torch.nn.GELU(), lf.FP8Linear(64, 64))
+    teacher = [p.detach() * 1.5 for p in model.parameters()]
+    x = torch.randn(16, 64)
+
+    def swap(weights):
+        saved = [p.detach().clone() for p in model.parameters()]
+        for p, w in zip(model.parameters(), weights):
+            p.data.copy_(w)
+        return saved
+
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        model(x).sum().backward()  # the student's casts are kept
+        student = swap(teacher)
+        with torch.no_grad():
+            taught = model(x)
+        swap(student)
+        after = model(x)
+    fresh = torch.nn.Sequential(lf.FP8Linear(64, 64), torch.nn.GELU(), lf.FP8Linear(64, 64))
+    with torch.no_grad(), lf.fp8_autocast():  # a standalone region keeps nothing
+        for p, w in zip(fresh.parameters(), teacher):
+            p.copy_(w)
+        assert torch.equal(taught, fresh(x))
+        for p, w in zip(fresh.parameters(), student):
+            p.copy_(w)
+        assert torch.equal(after, fresh(x))
+
+
+def test_a_weight_computed_in_the_forward_is_not_kept_alive():
+    """The kept cast refers to its weight weakly: a weight computed in the forward (a ``functional_call`` candidate,
+    a parametrization) is freed when the forward no longer needs it, as without the kept casts (``tensorwise`` saves
+    only its FP8 copy for backward)."""
+    import gc
+    import weakref
+
+    from torch.func import functional_call
+
+    layer = lf.FP8Linear(64, 64, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    candidate = layer.weight * 2  # computed from the parameter (a leaf would be held by its gradient accumulator)
+    ref = weakref.ref(candidate)
+    with lf.fp8_autocast(defer_amax_history_roll=True):
+        out = functional_call(layer, {"weight": candidate}, (x,))
+    del candidate
+    gc.collect()
+    assert ref() is None  # the output's graph holds the FP8 copy, not the high-precision weight
+    out.sum().backward()
+
+
 def test_a_layer_with_kept_casts_pickles():
     """The kept casts are transient (and hold a weak reference to their weight, which does not pickle): a model saved
     whole in the middle of an optimizer step (``torch.save(model)`` from a callback) pickles without them."""
@@ -299,11 +352,13 @@ def test_a_layer_with_kept_casts_pickles():
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_checkpointed_layers_cast_each_weight_once_per_step(recipe, reentrant, monkeypatch):
-    """Under activation checkpointing each weight is still cast once per optimizer step, forward and backward: a
-    reentrant checkpoint's first forward runs under ``no_grad`` (still a training forward: the layer is in training
-    mode), and the backward's saved weight is another tensor object over the same storage (checkpoint's saved-tensor
-    hooks hand back a detached alias); neither may lose the kept cast. The results equal casting at every use."""
+def test_weight_casts_under_activation_checkpointing(recipe, reentrant, monkeypatch):
+    """Under non-reentrant activation checkpointing each weight is still cast once per optimizer step, forward and
+    backward: the backward's saved weight is another tensor object over the same storage (checkpoint's saved-tensor
+    hooks hand back a detached alias), matched through the weight its forward read. A reentrant checkpoint's first
+    forward runs under ``no_grad``, which keeps and reuses nothing (a teacher's forward under ``no_grad`` reads
+    weights swapped in through ``.data``): it casts at every micro-batch, as without the kept casts. The results
+    equal casting at every use either way."""
     from torch.utils.checkpoint import checkpoint
 
     def run(cache):
@@ -332,8 +387,9 @@ def test_checkpointed_layers_cast_each_weight_once_per_step(recipe, reentrant, m
     assert all(torch.equal(a, b) for a, b in zip(cached, every_use))
     specs = blocks[0][0].fp8_state.table.specs
     recorded = sum(1 for _, statistics in calls if statistics)
-    assert recorded == 2 * 2, calls  # two layers, two optimizer steps
-    if not specs.weight_reused:  # rowwise: the backward casts the weight along its other axis, once per step too
+    per_step = 1 if not reentrant else 4  # reentrant: at every micro-batch
+    assert recorded == 2 * 2 * per_step, calls  # two layers, two optimizer steps
+    if not specs.weight_reused and not reentrant:  # rowwise: the backward casts the weight along its other axis
         assert sum(1 for spec, _ in calls if spec == specs.grad_input[1]) == 2 * 2
 
 
