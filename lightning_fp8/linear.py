@@ -271,7 +271,7 @@ class _LinearCall:
         # the tensor object itself, not only its address: the allocator gives a freed weight's memory to a new tensor
         # (functional_call over candidate weights), whose version counter starts at the same value
         owner = self.weight_ref() if self.weight_ref is not None else weight  # None once a computed weight is freed
-        valid = entry is not None and entry[0] == key and entry[3]() is owner
+        valid = owner is not None and entry is not None and entry[0] == key and entry[3]() is owner
         if replayed:
             if valid and history is not None and entry[1].scale is history[0]:
                 return entry[1]
