@@ -238,13 +238,12 @@ class _LinearCall:
             # trained sees no mode switch either: its casts must neither reuse nor be reused by training's. (A
             # reentrant activation checkpoint's first forward runs under no_grad too: it casts every time.)
             keep = CACHE_WEIGHT_CASTS and self.decision.keep_weight_cast and not self.layer._fp8_sharded and self.tp is None
-            if (
-                not keep
-                or not self.keeps_weight_casts
-                or torch.compiler.is_compiling()
-                or torch.is_inference_mode_enabled()
-            ):
+            if not keep or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
                 return self.quantize(weight, spec, record, history)
+            if not self.keeps_weight_casts:
+                # cast afresh, but record the weight's statistics once per optimizer step all the same (a reentrant
+                # checkpoint's first forward runs under no_grad at every micro-batch)
+                return self.quantize(weight, spec, record and self.first_weight_record(weight, spec), history)
             return self.cached_weight_cast(weight, spec, record, history, replayed)
         if record and provided.stats is not None:
             # a gathered weight's statistics: once per optimizer step (each micro-batch's gather repeats them), and
@@ -288,6 +287,21 @@ class _LinearCall:
         if owner is not None:
             cache[spec] = (key, q, record, weakref.ref(owner))
         return q
+
+    def first_weight_record(self, weight: Tensor, spec: CastSpec) -> bool:
+        """Whether a forward that keeps no cast (``no_grad``) is the first in this optimizer step to record the
+        statistics of ``weight`` (the same tensor, version, table generation and weights epoch as
+        :meth:`cached_weight_cast` keys its casts by): the weight's statistics are recorded once per step."""
+        key = (
+            id(self.table), self.table.generation, _weights_epoch, weight._version, weight.data_ptr(), weight.dtype,
+            weight.device,
+        )  # fmt: skip
+        records = self.layer.__dict__.setdefault("_fp8_weight_records", {})
+        seen = records.get(spec)
+        if seen is not None and seen[0] == key and seen[1]() is weight:
+            return False
+        records[spec] = (key, weakref.ref(weight))
+        return True
 
     def record(self, role: int, q: Quantized) -> None:
         if q.stats is not None:
@@ -472,7 +486,8 @@ class FP8Linear(FP8Module, nn.Linear):
     bit-identical to casting at every use, and the weight's statistics are recorded once per step. The kept copy
     costs one byte per weight element. Only forwards that record autograd and their backwards keep and reuse it: a
     forward under ``no_grad`` (evaluation, a teacher's forward; also a reentrant activation checkpoint's first
-    forward, which therefore casts at every micro-batch) casts every time, so weights swapped in through ``.data``
+    forward, which therefore casts at every micro-batch, recording the weight's statistics once per step all the
+    same) casts every time, so weights swapped in through ``.data``
     for it (weight averaging around evaluation: no version bump, and a layer kept in ``eval()`` while it is trained
     sees no mode switch) are cast as they are, and never reach training; the Trainer plugin also makes the kept
     casts stale when its steps change between training and evaluation (an evaluation step that enables

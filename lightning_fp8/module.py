@@ -38,6 +38,7 @@ class FP8Module(nn.Module):
         # layer starts without them
         state = dict(super().__getstate__())
         state.pop("_fp8_weight_casts", None)
+        state.pop("_fp8_weight_records", None)
         return state
 
     def remove_fp8_state(self) -> None:

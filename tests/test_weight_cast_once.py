@@ -357,8 +357,8 @@ def test_weight_casts_under_activation_checkpointing(recipe, reentrant, monkeypa
     backward: the backward's saved weight is another tensor object over the same storage (checkpoint's saved-tensor
     hooks hand back a detached alias), matched through the weight its forward read. A reentrant checkpoint's first
     forward runs under ``no_grad``, which keeps and reuses nothing (a teacher's forward under ``no_grad`` reads
-    weights swapped in through ``.data``): it casts at every micro-batch, as without the kept casts. The results
-    equal casting at every use either way."""
+    weights swapped in through ``.data``): it casts at every micro-batch, and records the weight's statistics once
+    per step all the same. The results equal casting at every use either way."""
     from torch.utils.checkpoint import checkpoint
 
     def run(cache):
@@ -387,8 +387,9 @@ def test_weight_casts_under_activation_checkpointing(recipe, reentrant, monkeypa
     assert all(torch.equal(a, b) for a, b in zip(cached, every_use))
     specs = blocks[0][0].fp8_state.table.specs
     recorded = sum(1 for _, statistics in calls if statistics)
-    per_step = 1 if not reentrant else 4  # reentrant: at every micro-batch
-    assert recorded == 2 * 2 * per_step, calls  # two layers, two optimizer steps
+    assert recorded == 2 * 2, calls  # the statistics once per layer and optimizer step, reentrant too
+    forward = sum(1 for spec, _ in calls if spec == specs.forward[1])
+    assert forward >= 2 * 2 * 4 if reentrant else forward == 2 * 2, calls  # reentrant: at every micro-batch
     if not specs.weight_reused and not reentrant:  # rowwise: the backward casts the weight along its other axis
         assert sum(1 for spec, _ in calls if spec == specs.grad_input[1]) == 2 * 2
 
