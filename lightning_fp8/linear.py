@@ -261,10 +261,7 @@ class _LinearCall:
         (the same tensor object, its version counter and storage), the state table's generation and the weights
         epoch (:func:`weights_may_have_changed`: any optimizer step) are those it was cast under. A recomputation
         (``replayed``: the forward's scale) reuses only the forward's own cast, and keeps nothing."""
-        key = (
-            id(self.table), self.table.generation, _weights_epoch, weight._version, weight.data_ptr(), weight.dtype,
-            weight.device,
-        )  # fmt: skip
+        key = self.weight_key(weight)
         cache = self.layer.__dict__.setdefault("_fp8_weight_casts", {})
         entry = cache.get(spec)
         # the tensor object itself, not only its address: the allocator gives a freed weight's memory to a new tensor
@@ -288,14 +285,20 @@ class _LinearCall:
             cache[spec] = (key, q, record, weakref.ref(owner))
         return q
 
+    def weight_key(self, weight: Tensor) -> tuple[Any, ...]:
+        """What a kept weight cast (and a weight's statistics record) is valid for, besides the tensor object itself:
+        the state table and its generation, the weights epoch, the weight's version counter, storage, dtype and
+        device."""
+        return (
+            id(self.table), self.table.generation, _weights_epoch, weight._version, weight.data_ptr(), weight.dtype,
+            weight.device,
+        )  # fmt: skip
+
     def first_weight_record(self, weight: Tensor, spec: CastSpec) -> bool:
         """Whether a forward that keeps no cast (``no_grad``) is the first in this optimizer step to record the
         statistics of ``weight`` (the same tensor, version, table generation and weights epoch as
         :meth:`cached_weight_cast` keys its casts by): the weight's statistics are recorded once per step."""
-        key = (
-            id(self.table), self.table.generation, _weights_epoch, weight._version, weight.data_ptr(), weight.dtype,
-            weight.device,
-        )  # fmt: skip
+        key = self.weight_key(weight)
         records = self.layer.__dict__.setdefault("_fp8_weight_records", {})
         seen = records.get(spec)
         if seen is not None and seen[0] == key and seen[1]() is weight:
