@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_fp8.quantize import Quantized, quantize
 from lightning_fp8.recipe import GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, amax_to_scale
@@ -420,6 +421,44 @@ def fp8_all_gather_weights(module: nn.Module) -> list[FP8ShardedWeight]:
     """The local :class:`FP8ShardedWeight` shards of ``module``'s layers (``[]`` when none gathers in FP8), those of
     layers switched back to high precision included (their weights still gather in FP8)."""
     return [w for m in module.modules() if (w := fp8_all_gather_shard(m)) is not None]
+
+
+#: Moves at every optimizer step that updates FP8 all-gather weights (:func:`_after_optimizer_step`), the plugin's or
+#: not: the plugins compare it with the value at their last scale precompute.
+_gather_weights_epoch = 0
+
+
+def _gathered_weights_epoch() -> int:
+    """A counter of the optimizer steps (any ``torch.optim`` optimizer, also one a plugin does not see) that updated
+    weights FSDP2 gathers in FP8. The plugins recompute the shared gather scales when it moved: a fused optimizer
+    moves no version counter, and the plugin may not see the step (a Fabric loop calling ``optimizer.step()``).
+
+    Only steps of optimizers that hold such weights count: every rank of a sharded model steps its optimizer, so the
+    decision (which starts a collective) stays the same on every rank; an optimizer of another model that one rank
+    steps alone changes nothing."""
+    return _gather_weights_epoch
+
+
+def _updates_gathered_weights(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds a weight that FSDP2 gathers in FP8 (remembered on the optimizer until its
+    parameter groups change)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    key = (len(optimizer.param_groups), len(params))
+    known = optimizer.__dict__.get("_fp8_gathered_weights")
+    if known is not None and known[0] == key:
+        return known[1]
+    holds = any(isinstance(_local(p), FP8ShardedWeight) for p in params)
+    optimizer.__dict__["_fp8_gathered_weights"] = (key, holds)
+    return holds
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _gather_weights_epoch
+    if _updates_gathered_weights(optimizer):
+        _gather_weights_epoch += 1
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 @torch.no_grad()

@@ -76,6 +76,7 @@ from lightning_fp8 import gemm
 from lightning_fp8.convert import ConversionReport, check_exclude, convert_from_fp8, convert_to_fp8, exact_pattern
 from lightning_fp8.distributed import (
     FP8ShardedWeight,
+    _gathered_weights_epoch,
     _local,
     all_reduce_pending_amax,
     fp8_all_gather_shard,
@@ -574,7 +575,9 @@ class FP8PrecisionBase(Precision):
         """Called by FSDP2's pre-all-gather of ``layer``'s FP8 weight (through the layer, which names this plugin):
         make sure the shared scales of the weights FSDP2 gathers in FP8 fit the weights. They are computed for all
         such weights at once, one all-reduce (:func:`~lightning_fp8.distributed.precompute_fp8_weight_scales`), at the
-        first gather after an optimizer step, a set-up or a restore (a flag), or when this layer changed since:
+        first gather after an optimizer step (the plugin's, or any step of an optimizer holding such weights: a
+        counter that a global ``torch.optim`` post-step hook moves, as a fused optimizer moves no version counter), a
+        set-up or a restore (a flag), or when this layer changed since:
         its parameter (a new one, or an in-place change such as ``load_state_dict``: its version counter) or its
         training flag (weights swapped in for evaluation through ``.data``, as weight averaging does, move no version
         counter). Otherwise a flag test and one look at the layer (host values, no device work).
@@ -587,6 +590,9 @@ class FP8PrecisionBase(Precision):
             self._gather_layers = [m for model in self.fp8_models for m in model.modules() if fp8_all_gather_shard(m) is not None]
             self._gather_set = {id(m) for m in self._gather_layers}
             self._gather_scales_stale = True
+        epoch = _gathered_weights_epoch()
+        if epoch != getattr(self, "_gather_epoch", None):  # an optimizer stepped the gathered weights, maybe unseen
+            self._gather_epoch, self._gather_scales_stale = epoch, True
         weight = layer.weight
         seen = layer.__dict__.get("_fp8_gather_seen")
         if not self._gather_scales_stale and seen is not None and seen[0] is weight and seen[1:] == (weight._version, layer.training):

@@ -910,9 +910,16 @@ lf.prepare_for_sharding(sharded, plugin)
 fully_shard(sharded[0]), fully_shard(sharded[2]), fully_shard(sharded)
 plugin.convert_module(sharded), plugin.convert_module(probe)
 optimizer = torch.optim.SGD(sharded.parameters(), lr=1e-2)
+probe_optimizer = torch.optim.Adam(probe.parameters(), lr=1e-2, fused=True)
 for step in range(3):
     with plugin.forward_context():
         out = sharded(torch.randn(8, 32))
+    if rank == 0:  # between the forward's gathers and the backward's: a step of another model's own optimizer,
+        # outside the plugin, with no FP8 all-gather weight in it: the gather scales' decision (a collective) must
+        # not change on this rank alone
+        probe(torch.randn(4, 32)).square().mean().backward()
+        probe_optimizer.step()
+        probe_optimizer.zero_grad()
     plugin.backward(out.float().square().mean(), sharded)
     plugin.optimizer_step(optimizer)
     optimizer.zero_grad()
@@ -959,8 +966,8 @@ def one_rank_run(early_runs):
 
 @pytest.mark.slow
 def test_one_rank_running_another_model_alone_does_not_hang_the_gather_scales(one_rank_run):
-    """The scales' all-reduce is decided where FSDP2 gathers (every rank gathers), never in a forward that one rank
-    runs alone; 2 processes on gloo, a 60 s collective timeout turns a hang into a failure (started early:
+    """The scales' all-reduce is decided where FSDP2 gathers (every rank gathers), never in a forward or an optimizer
+    step that one rank runs alone; 2 processes on gloo, a 60 s collective timeout turns a hang into a failure (started early:
     tests/conftest.py)."""
     for rank in (0, 1):
         code, stdout, stderr = (one_rank_run.workdir / f"rank{rank}.{kind}" for kind in ("code", "out", "err"))
@@ -988,5 +995,30 @@ def test_layers_wrapped_without_prepare_for_sharding_still_get_their_scales(one_
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         torch.manual_seed(1)
         outs.append([_train_step(model, plugin, optimizer, torch.randn(16, 32)).detach() for _ in range(3)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------- an optimizer step the plugin does not see
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_a_fused_optimizer_stepped_outside_the_plugin_gets_fresh_gather_scales(recipe, one_rank_group):
+    """A Fabric loop that steps its optimizer itself (``optimizer.step()``, not through the plugin) with a fused
+    optimizer, whose kernels move no version counter: the next gather must cast with the stepped weights' scales, as
+    the unsharded layers cast them (before, the sharded layers gathered every step with the first step's scales)."""
+    outs = []
+    for model, plugin in _twin_models(recipe):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.5, fused=True)  # large steps: stale scales would show
+        torch.manual_seed(1)
+        seen = []
+        for _ in range(3):
+            with plugin.forward_context():
+                out = model(torch.randn(16, 32))
+            out.float().square().mean().backward()
+            optimizer.step()  # not plugin.optimizer_step: the plugin does not see it
+            optimizer.zero_grad()
+            seen.append(out.detach())
+        outs.append(seen)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
