@@ -40,7 +40,7 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -97,22 +97,46 @@ def run(size: bench_llama.Size, kinds: tuple[str, ...]) -> dict[str, dict[str, A
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def add_block_arguments(parser: argparse.ArgumentParser, kinds: tuple[str, ...], default_json: str) -> None:
+    """The arguments of the scripts that compile ``bench_llama.py``'s blocks on this CPU: size, blocks, batch,
+    variants and result file (also ``gpu_kernels.py``'s)."""
     parser.add_argument("--size", default="tiny", choices=sorted(bench_llama.SIZES),
                         help="bench_llama.py's size (its widths and heads; default tiny)")
     parser.add_argument("--blocks", type=int, default=1, help="decoder blocks (default 1)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated variants of {', '.join(KINDS)}")
+    parser.add_argument("--kinds", default=",".join(kinds), help=f"comma-separated variants of {', '.join(kinds)}")
+    parser.add_argument("--json", default=default_json, help=f"result file (default {os.path.relpath(default_json)})")
+
+
+def chosen_kinds(parser: argparse.ArgumentParser, args: argparse.Namespace, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The variants ``--kinds`` names, in its order; an unknown one is a usage error."""
+    chosen = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in chosen if k not in kinds]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(kinds)}")
+    return chosen
+
+
+def write_and_show(args: argparse.Namespace, env: dict[str, str], script: str, argv: list[str] | None,
+                   size: bench_llama.Size, results: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> int:
+    """Write the result file (machine, command, size, results) and print its docs table (``render``)."""
+    command = " ".join([f"python benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
+    harness.write_result(args.json, env, command, size={**dataclasses.asdict(size), "tokens": size.tokens},
+                         results=results)
+    with open(args.json) as f:
+        print(render(json.load(f)))
+    print(f"written to {os.path.relpath(args.json)}; render the docs tables with python benchmarks/docs_tables.py")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    add_block_arguments(parser, KINDS, DEFAULT_JSON)
     parser.add_argument("--config", action="append", default=[], metavar="NAME=VALUE",
                         help="set a torch._functorch.config flag for the run, e.g. "
                              "ban_recompute_used_far_apart=False (repeatable)")
-    parser.add_argument("--json", default=DEFAULT_JSON, help=f"result file (default {os.path.relpath(DEFAULT_JSON)})")
     args = parser.parse_args(argv)
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(KINDS)}")
+    kinds = chosen_kinds(parser, args, KINDS)
     config = {}
     for item in args.config:
         name, _, value = item.partition("=")
@@ -123,15 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     size = dataclasses.replace(bench_llama.SIZES[args.size], blocks=args.blocks, batch=args.batch)
     env = harness.environment("cpu")
     env["GEMM path"] = "the GPU's, forced on this CPU: torch._scaled_mm (ours), emulate=False (torchao)"
-    command = " ".join(["python benchmarks/compiled_saved.py", *(argv if argv is not None else sys.argv[1:])])
     with functorch_config.patch(config):
         results = run(size, kinds)
-    harness.write_result(args.json, env, command, size={**dataclasses.asdict(size), "tokens": size.tokens},
-                         results=results)
-    with open(args.json) as f:
-        print(docs_tables.compiled_saved(json.load(f)))
-    print(f"written to {os.path.relpath(args.json)}; render the docs tables with python benchmarks/docs_tables.py")
-    return 0
+    return write_and_show(args, env, "compiled_saved.py", argv, size, results, docs_tables.compiled_saved)
 
 
 if __name__ == "__main__":

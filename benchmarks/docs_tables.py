@@ -814,6 +814,27 @@ def compiled_saved(data: dict[str, Any] | None = None) -> str:
                          table(headers, rows)])
 
 
+def gpu_kernels(data: dict[str, Any] | None = None) -> str:
+    """``gpu_kernels.py``'s result: the Triton kernels inductor writes for a GPU (H100 device properties) on one
+    compiled step, per graph: launches, inductor's estimate of the bytes they move, against bf16 and torchao."""
+    data = data or load("gpu_kernels.json")
+    results, size = data["results"], data["size"]
+    note = ("**CPU, no kernel run**: inductor's Triton code for an H100 written on this CPU, the GPU's GEMM path forced "
+            "(the FP8 GEMMs neither run nor emulated: extern calls); "
+            "launches and inductor's byte estimates (buffer sizes, no caches): no time")
+    total = {spec: r["forward"]["gb"] + r["backward"]["gb"] for spec, r in results.items()}
+    rows = []
+    for spec, r in results.items():
+        fwd, bwd = r["forward"], r["backward"]
+        rows.append([spec.replace("-", " ", 1), f"{fwd['launches']}", f"{bwd['launches']}", f"{fwd['gb'] * 1e3:,.0f}",
+                     f"{bwd['gb'] * 1e3:,.0f}"]
+                    + [x(total[spec] / total[ref]) if ref in total else "n/a" for ref in ("bf16", "torchao-tensorwise")])
+    headers = ["variant (`:uncounted`: a step that does not count)", "forward launches", "backward launches",
+               "forward MB moved", "backward MB moved", "bytes × bf16", "bytes × torchao tensorwise"]
+    return "\n\n".join([caption(data["environment"], data["command"], gemm_note=note), _llama_size_head(size),
+                         table(headers, rows)])
+
+
 def _compiled_saved_twin(kind: str) -> str:
     """The torchao variant ``compiled_saved.py`` compares a variant of ours with."""
     if not kind.startswith("ours-"):
@@ -983,6 +1004,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_gpu_compile.md": lambda: llama_compile(load("llama_gpu.json")),
     "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
     "compiled_saved.md": compiled_saved,
+    "gpu_kernels.md": gpu_kernels,
     "fsdp2_all_gather.md": fsdp2_all_gather,
     "kernels_gpu.md": kernels_gpu,
     "kernels_gpu_uncounted.md": lambda: kernels_gpu("kernels_gpu_uncounted.json"),

@@ -643,8 +643,9 @@ class FP8Linear(FP8Module, nn.Linear):
         compiled_row = torch.compiler.is_compiling() and decision.keep_weight_cast
         index = state.row() if compiled_row else state.index
         call = _LinearCall(self, table, index, specs, decision, out_dtype, tp, input if share else None)
-        call.keeps_weight_casts = torch.is_grad_enabled()
-        call.weight_ref = weakref.ref(weight)
+        if not torch.compiler.is_compiling():  # a compiled graph keeps no casts (see quantize_weight)
+            call.keeps_weight_casts = torch.is_grad_enabled()
+            call.weight_ref = weakref.ref(weight)
         x_spec, w_spec = specs.forward
         if capture and specs.history_scaled:
             # What a recomputation must replay, taken before any roll can move it: whether each history was usable
