@@ -440,22 +440,30 @@ def _gathered_weights_epoch() -> int:
 
 
 def _updates_gathered_weights(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` holds a weight that FSDP2 gathers in FP8 (remembered on the optimizer until its
-    parameter groups change)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    key = (len(optimizer.param_groups), len(params))
+    """Whether ``optimizer`` holds a weight that FSDP2 gathers in FP8: an :class:`FP8ShardedWeight` inside a
+    ``DTensor`` (FSDP2's sharded parameter). A plain one (a copy of a prepared model that was never sharded, which
+    one rank may train alone) is never gathered. Remembered on the optimizer while its parameters are the same
+    tensors."""
+    params = tuple(p for group in optimizer.param_groups for p in group["params"])
+    key = tuple(map(id, params))
     known = optimizer.__dict__.get("_fp8_gathered_weights")
     if known is not None and known[0] == key:
         return known[1]
-    holds = any(isinstance(_local(p), FP8ShardedWeight) for p in params)
+    holds = any(isinstance(p, DTensor) and isinstance(p._local_tensor, FP8ShardedWeight) for p in params)
     optimizer.__dict__["_fp8_gathered_weights"] = (key, holds)
     return holds
 
 
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def gathered_weights_changed() -> None:
+    """Make the shared FP8 all-gather scales stale: the next gather of every FSDP2 model recomputes them (a
+    collective: every rank must call this; see ``lightning_fp8.weights_may_have_changed(all_ranks=True)``)."""
     global _gather_weights_epoch
+    _gather_weights_epoch += 1
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _updates_gathered_weights(optimizer):
-        _gather_weights_epoch += 1
+        gathered_weights_changed()
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_fp8 import gemm
-from lightning_fp8.distributed import TensorParallelLayout, tensor_parallel_layout
+from lightning_fp8.distributed import TensorParallelLayout, gathered_weights_changed, tensor_parallel_layout
 from lightning_fp8.module import FP8Module
 from lightning_fp8.quantize import Quantized, quantize
 from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
@@ -64,7 +64,7 @@ CACHE_WEIGHT_CASTS = True
 _weights_epoch = 0
 
 
-def weights_may_have_changed() -> None:
+def weights_may_have_changed(*, all_ranks: bool = False) -> None:
     """Make every FP8 weight cast kept for reuse within an optimizer step (see :class:`FP8Linear`) stale: the next
     forward casts again.
 
@@ -74,13 +74,21 @@ def weights_may_have_changed() -> None:
     changes the weights too, and fused optimizers do not bump their version counters. Call it after changing
     weights in place in a way that bypasses the version counter (writes through ``.data``) between two forwards
     of one optimizer step.
+
+    Args:
+        all_ranks: also make stale the scales shared by the ranks of an FSDP2 model that gathers its weights in FP8
+            (``prepare_for_sharding``): the next gather recomputes them, a collective, so every rank of that model
+            must make this call, as after ``.data`` writes to its sharded weights. Without it (the default, safe on
+            one rank alone) those scales follow optimizer steps, restores and the layers' modes only.
     """
     global _weights_epoch
     _weights_epoch += 1
+    if all_ranks:
+        gathered_weights_changed()
 
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    weights_may_have_changed()
+    weights_may_have_changed()  # this rank's kept casts only: the gather scales have a hook of their own (distributed)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
@@ -248,7 +256,8 @@ class _LinearCall:
         if record and provided.stats is not None:
             # a gathered weight's statistics: once per optimizer step (each micro-batch's gather repeats them), and
             # only by a forward that records (an evaluation forward leaves them to the next training forward)
-            stamp = (id(self.table), self.table.generation)
+            # (the weights epoch too: an optimizer step the plugin does not see changes the weights, not the generation)
+            stamp = (id(self.table), self.table.generation, _weights_epoch)
             if self.layer.__dict__.get("_fp8_provided_generation") != stamp:
                 self.layer.__dict__["_fp8_provided_generation"] = stamp
                 self.record(spec.role, provided)

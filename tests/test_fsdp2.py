@@ -894,7 +894,7 @@ def test_calibration_with_a_loss_runs_the_backward_of_a_sharded_model(fp8_all_ga
 
 
 _ONE_RANK_EVALUATES = r'''
-import datetime, os, sys, torch
+import copy, datetime, os, sys, torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -907,10 +907,14 @@ sharded = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
 probe = nn.Sequential(nn.Linear(32, 32))  # a second model set up with the same plugin, not sharded
 plugin = lf.fabric.FP8Precision()
 lf.prepare_for_sharding(sharded, plugin)
+prepared_copy = copy.deepcopy(sharded)  # prepared for FP8 all-gather but never sharded: its weights never gather
 fully_shard(sharded[0]), fully_shard(sharded[2]), fully_shard(sharded)
 plugin.convert_module(sharded), plugin.convert_module(probe)
 optimizer = torch.optim.SGD(sharded.parameters(), lr=1e-2)
 probe_optimizer = torch.optim.Adam(probe.parameters(), lr=1e-2, fused=True)
+copy_plugin = lf.fabric.FP8Precision()
+copy_plugin.convert_module(prepared_copy)
+copy_optimizer = torch.optim.Adam(prepared_copy.parameters(), lr=1e-2, fused=True)
 for step in range(3):
     with plugin.forward_context():
         out = sharded(torch.randn(8, 32))
@@ -920,6 +924,10 @@ for step in range(3):
         probe(torch.randn(4, 32)).square().mean().backward()
         probe_optimizer.step()
         probe_optimizer.zero_grad()
+        with copy_plugin.forward_context():  # and the prepared, unsharded copy: its weights never gather either
+            prepared_copy(torch.randn(4, 32)).float().square().mean().backward()
+        copy_optimizer.step()
+        copy_optimizer.zero_grad()
     plugin.backward(out.float().square().mean(), sharded)
     plugin.optimizer_step(optimizer)
     optimizer.zero_grad()
@@ -1021,4 +1029,93 @@ def test_a_fused_optimizer_stepped_outside_the_plugin_gets_fresh_gather_scales(r
             seen.append(out.detach())
         outs.append(seen)
     for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def _outputs_with_raw_steps(model, plugin, optimizer, steps=3, plugin_steps=()):
+    """Train ``steps`` steps stepping ``optimizer`` itself (the plugin does not see it), except the steps in
+    ``plugin_steps``, which go through ``plugin.optimizer_step``; the outputs and the FP8 amax histories."""
+    torch.manual_seed(1)
+    seen = []
+    for step in range(steps):
+        with plugin.forward_context():
+            out = model(torch.randn(16, 32))
+        out.float().square().mean().backward()
+        plugin.optimizer_step(optimizer) if step in plugin_steps else optimizer.step()
+        optimizer.zero_grad()
+        seen.append(out.detach())
+    return seen, [t["amax_history"].clone() for t in lf.fp8_state_dict(model)["tables"]]
+
+
+def test_an_optimizer_given_the_gathered_weights_after_its_first_step_is_seen(one_rank_group):
+    """An optimizer stepped first over other parameters, then given the sharded weights in place of them (the same
+    number of parameters): its steps update the gathered weights, and their scales follow (fresh-eyes review: the
+    optimizer's first answer was kept while the parameter count stayed the same)."""
+    runs = []
+    for model, plugin in _twin_models("tensorwise"):
+        placeholders = [nn.Parameter(torch.zeros(1)) for _ in model.parameters()]
+        optimizer = torch.optim.Adam(placeholders, lr=0.5, fused=True)
+        for p in placeholders:
+            p.grad = torch.zeros(1)
+        optimizer.step()
+        optimizer.param_groups[0]["params"] = list(model.parameters())
+        optimizer.state.clear()
+        runs.append(_outputs_with_raw_steps(model, plugin, optimizer)[0])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_delayed_records_the_gathered_weight_after_a_step_the_plugin_does_not_see(one_rank_group):
+    """``delayed``: a raw fused step, then a plugin step. The gathered weight's statistics are recorded once per
+    optimizer step: after the raw step the new weights' amaxes must enter the history, as the unsharded layers record
+    them (fresh-eyes review: the record was keyed on the table generation alone, which a raw step does not move)."""
+    runs = []
+    for model, plugin in _twin_models("delayed"):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.5, fused=True)
+        runs.append(_outputs_with_raw_steps(model, plugin, optimizer, steps=4, plugin_steps=(1, 3)))
+    (outs_s, hist_s), (outs_p, hist_p) = runs
+    for a, b in zip(outs_s, outs_p):
+        assert torch.equal(a, b)
+    for a, b in zip(hist_s, hist_p):
+        assert torch.equal(a[:, WEIGHT], b[:, WEIGHT])
+
+
+def test_only_an_optimizer_of_sharded_fp8_all_gather_weights_moves_the_gather_scales(one_rank_group):
+    """A copy of a prepared model taken before ``fully_shard`` holds plain FP8ShardedWeight parameters that are never
+    gathered: its optimizer's steps (which one rank may run alone) must not make the shared scales stale, or that
+    rank would enter the scales' all-reduce alone (the two-process check below hangs on it)."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fp8.distributed import _updates_gathered_weights
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    lf.prepare_for_sharding(model, lf.fabric.FP8Precision())
+    copy_before_sharding = copy.deepcopy(model)
+    fully_shard(model[0]), fully_shard(model[2]), fully_shard(model)
+    assert _updates_gathered_weights(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not _updates_gathered_weights(torch.optim.SGD(copy_before_sharding.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weights_may_have_changed_on_all_ranks_refreshes_the_gather_scales(recipe, one_rank_group):
+    """Weights rescaled through ``.data`` (no version counter, no optimizer step, no mode switch) between two forwards:
+    ``lf.weights_may_have_changed(all_ranks=True)`` on every rank makes the next gather cast with the new weights'
+    scales, as the unsharded layers cast them (fresh-eyes review: the documented call did not reach these scales)."""
+    runs = []
+    for model, plugin in _twin_models(recipe):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            with plugin.forward_context():
+                first = model(torch.randn(16, 32))
+            for p in model.parameters():
+                p.data.mul_(8)
+            lf.weights_may_have_changed(all_ranks=True)
+            with plugin.forward_context():
+                second = model(torch.randn(16, 32))
+        with plugin.forward_context():
+            third = model(torch.randn(16, 32)).detach()
+        runs.append((first, second, third))
+    for a, b in zip(*runs):
         assert torch.equal(a, b)
