@@ -262,36 +262,39 @@ def cast_with_statistics(
         return triton_cast_with_statistics(x, scale, fp8_dtype)
     x_scaled = x.to(torch.float32) * scale
     data = saturated_cast(x_scaled, fp8_dtype)
-    if overflow_free and scale.numel() == 1 and torch.compiler.is_compiling():
+    if overflow_free and torch.compiler.is_compiling():
         return data, _cast_statistics_from_bytes(x, data, scale)
     return data, cast_statistics(x, x_scaled, data, overflow_free)
 
 
 def _cast_statistics_from_bytes(x: Tensor, data: Tensor, scale: Tensor) -> Tensor:
-    """:func:`cast_statistics` of a per-tensor cast whose scale came from ``x``'s own amax (``overflow_free``), under
-    ``torch.compile``, from the stored FP8 bytes: the counts need no float32 copy of the scaled values.
+    """:func:`cast_statistics` of a cast whose scales came from ``x``'s own amaxes (``overflow_free``: one scale, or
+    one per row or column), under ``torch.compile``, from the stored FP8 bytes: the counts need no float32 copy of
+    the scaled values.
 
     Compiled, the cast of a GEMM operand is a kernel of its own (often a 2-D tiled one that also writes the transposed
     copy the other GEMM reads), which cannot hold a reduction; counted from the scaled values, the counts got kernels
     of their own that recomputed the cast (and the chain before it: the SwiGLU backward for gate/up) or read float32
     and boolean buffers the cast kernel wrote for them. Here they read the FP8 buffer, one byte per element
-    (``as_strided``: inductor reads a stored input there instead of recomputing the cast), and ``x != 0``, which fuses
-    with the amax that the scale needed before the cast:
+    (``as_strided``: inductor reads a stored input there instead of recomputing the cast), and count ``x != 0`` per
+    scale slice, a reduction over the same slices as the amaxes the scales needed before the cast, which it joins:
 
     * ``overflow``: the elements cast to NaN (an overflow-free scale saturates no finite element);
-    * ``underflow``: the zeros of the FP8 data less the zeros of ``x``, when the scale is finite (then a zero ``x`` is
-      a zero byte, and a non-zero ``x`` is a zero byte exactly when it underflows); with a non-finite scale no
-      element is a zero byte (``0 * inf`` and every product with NaN are NaN): 0. The same counts as the definitions
-      (``tests/test_cast_statistics_definitions.py``).
+    * ``underflow``: in the slices with a finite scale, the zero bytes less the zeros of ``x`` (there a zero ``x`` is
+      a zero byte, and a non-zero ``x`` is a zero byte exactly when it underflows); a slice with a non-finite scale
+      has no zero byte (``0 * inf`` and every product with NaN are NaN) and no underflow. The same counts as the
+      definitions (``tests/test_cast_statistics_definitions.py``).
     """
     count = torch.int32 if x.numel() < 2**31 else torch.int64
-    stored_bytes = data.as_strided(data.shape, data.stride()).view(torch.uint8)
-    magnitude = stored_bytes & 0x7F
-    nonzero = (x != 0).sum(dtype=count)
+    shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
+    slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
+    slice_size = x.numel() // scale.numel()  # elements per scale
+    nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count) if slice_dims else (x != 0).to(count)
+    finite = scale.reshape(shape).isfinite()
+    magnitude = data.as_strided(data.shape, data.stride()).view(torch.uint8) & 0x7F
     overflow = (magnitude >= _NAN_MAGNITUDE[data.dtype]).sum(dtype=count)
-    zero_bytes = (magnitude == 0).sum(dtype=count)
-    underflow = torch.where(scale.reshape(()).isfinite(), zero_bytes - (x.numel() - nonzero), torch.zeros_like(zero_bytes))
-    return torch.stack([nonzero, overflow, underflow]).to(torch.int64)
+    underflow = (magnitude == 0).sum(dtype=count) - torch.where(finite, slice_size - nonzero, 0).sum(dtype=count)
+    return torch.stack([nonzero.sum(dtype=count), overflow, underflow]).to(torch.int64)
 
 
 def blocked(x: Tensor, block: tuple[int, int]) -> Tensor:

@@ -89,19 +89,24 @@ def test_eager_counts_equal_the_definitions(source, fp8, flush):
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("source", ["bf16_all", "f32_subnormal", "f32_random"])
-def test_compiled_counts_of_a_self_scaled_tensor_cast_equal_the_definitions(source, fp8):
-    """Compiled, a per-tensor cast whose scale came from its own amax (``overflow_free``) counts from the FP8 bytes
-    (``_cast_statistics_from_bytes``): the same data as eager, and the definitions' counts, for every bf16 pattern,
-    float32 subnormals and wide ranges, under every special scale (0, inf, NaN, tiny, huge)."""
+def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8):
+    """Compiled, a cast whose scales came from its own amaxes (``overflow_free``: per tensor, row or column) counts
+    from the FP8 bytes (``_cast_statistics_from_bytes``): the same data as eager, and the definitions' counts, for
+    every bf16 pattern, float32 subnormals and wide ranges, under every special scale (0, inf, NaN, tiny, huge), a
+    tensor's, rows' and columns' (mixed), on a transposed input too."""
     from lightning_fp8.quantize import cast_with_statistics
 
     x = SOURCES[source]()
+    torch._dynamo.reset()  # one code object for every parametrization: its recompilations would add up
     compiled = torch.compile(lambda x, scale: cast_with_statistics(x, scale, fp8, overflow_free=True), fullgraph=True)
-    for s in SPECIAL:
-        scale = torch.tensor(s)
-        data, counts = compiled(x, scale)
-        x_scaled = x.to(torch.float32) * scale
+    g = torch.Generator().manual_seed(1)
+    row = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (256, 1), generator=g)]
+    col = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (1, 256), generator=g)]
+    cases = [(x, torch.tensor(s)) for s in SPECIAL] + [(x, row), (x, col), (x.t(), row)]
+    for inp, scale in cases:
+        data, counts = compiled(inp, scale)
+        x_scaled = inp.to(torch.float32) * scale
         eager = saturated_cast(x_scaled, fp8)
-        assert torch.equal(data.view(torch.uint8), eager.view(torch.uint8)), (source, fp8, s)
-        want = _reference(x, x_scaled, eager, True)
-        assert torch.equal(counts, want), (source, fp8, s, counts.tolist(), want.tolist())
+        assert torch.equal(data.view(torch.uint8), eager.view(torch.uint8)), (source, fp8, scale.shape)
+        want = _reference(inp, x_scaled, eager, True)
+        assert torch.equal(counts, want), (source, fp8, scale.flatten()[:3], counts.tolist(), want.tolist())
