@@ -43,7 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_fp8.recipe import CastSpec, amax_to_scale, fp8_max
+from lightning_fp8.recipe import GRAD_OUTPUT, CastSpec, amax_to_scale, fp8_max
 from lightning_fp8.triton_cast import (
     history_cast_supported,
     triton_block_cast,
@@ -251,51 +251,70 @@ def _cast_statistics_from_values(x: Tensor, x_scaled: Tensor, fp8_dtype: torch.d
 
 
 def cast_with_statistics(
-    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, overflow_free: bool = False
+    x: Tensor,
+    scale: Tensor,
+    fp8_dtype: torch.dtype,
+    overflow_free: bool = False,
+    history: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(saturated_cast(x * scale), [nonzero, overflow, underflow])``: the one dispatch point for casts.
 
     ``scale`` is a float32 tensor broadcastable to ``x`` (0-d, or per row/column). On CUDA, outside
     ``torch.compile``, this runs the fused Triton kernel of ``lightning_fp8.triton_cast`` (same bits).
-    ``overflow_free``: the scale came from ``x``'s own amax (see :func:`cast_statistics`).
+    ``overflow_free``: the scale came from ``x``'s own amax (see :func:`cast_statistics`). ``history``: ``(history
+    scale, usable flag)`` where ``scale`` is ``where(usable, history scale, x's own amax's scale)`` (``delayed``);
+    under ``torch.compile`` both let the counts come from the stored FP8 bytes (``_cast_statistics_from_bytes``).
     """
     if use_triton(x):
         return triton_cast_with_statistics(x, scale, fp8_dtype)
     x_scaled = x.to(torch.float32) * scale
     data = saturated_cast(x_scaled, fp8_dtype)
-    if overflow_free and torch.compiler.is_compiling():
-        return data, _cast_statistics_from_bytes(x, data, scale)
+    if (overflow_free or history is not None) and torch.compiler.is_compiling():
+        return data, _cast_statistics_from_bytes(x, data, scale, history)
     return data, cast_statistics(x, x_scaled, data, overflow_free)
 
 
-def _cast_statistics_from_bytes(x: Tensor, data: Tensor, scale: Tensor) -> Tensor:
-    """:func:`cast_statistics` of a cast whose scales came from ``x``'s own amaxes (``overflow_free``: one scale, or
-    one per row or column), under ``torch.compile``, from the stored FP8 bytes: the counts need no float32 copy of
-    the scaled values.
+def _cast_statistics_from_bytes(
+    x: Tensor, data: Tensor, scale: Tensor, history: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """:func:`cast_statistics` under ``torch.compile`` from the stored FP8 bytes, for a cast whose scales came from
+    ``x``'s own amaxes (``overflow_free``: one scale, or one per row or column) or, with ``history`` (``(history
+    scale, usable)``, ``delayed``), from the history where it is usable and from ``x``'s own amax where not: the
+    counts need no float32 copy of the scaled values.
 
     Compiled, the cast of a GEMM operand is a kernel of its own (often a 2-D tiled one that also writes the transposed
     copy the other GEMM reads), which cannot hold a reduction; counted from the scaled values, the counts got kernels
     of their own that recomputed the cast (and the chain before it: the SwiGLU backward for gate/up) or read float32
     and boolean buffers the cast kernel wrote for them. Here they read the FP8 buffer, one byte per element
-    (``as_strided``: inductor reads a stored input there instead of recomputing the cast), and count ``x != 0`` per
-    scale slice, a reduction over the same slices as the amaxes the scales needed before the cast, which it joins:
+    (``as_strided``: inductor reads a stored input there instead of recomputing the cast), and count over ``x`` only
+    what needs no scale known after the amax: ``x != 0`` per scale slice, and a history scale's overflows (known
+    before the pass), reductions of the pass that computes the amaxes, which they join:
 
-    * ``overflow``: the elements cast to NaN (an overflow-free scale saturates no finite element);
+    * ``overflow``: with an overflow-free scale, the elements cast to NaN (such a scale saturates no finite element);
+      with a usable history, the elements with ``not |x * history scale| <= fp8_max``;
     * ``underflow``: in the slices with a finite scale, the zero bytes less the zeros of ``x`` (there a zero ``x`` is
       a zero byte, and a non-zero ``x`` is a zero byte exactly when it underflows); a slice with a non-finite scale
       has no zero byte (``0 * inf`` and every product with NaN are NaN) and no underflow. The same counts as the
       definitions (``tests/test_cast_statistics_definitions.py``).
     """
     count = torch.int32 if x.numel() < 2**31 else torch.int64
-    shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
-    slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
-    slice_size = x.numel() // scale.numel()  # elements per scale
-    nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count) if slice_dims else (x != 0).to(count)
-    finite = scale.reshape(shape).isfinite()
     magnitude = data.as_strided(data.shape, data.stride()).view(torch.uint8) & 0x7F
     overflow = (magnitude >= _NAN_MAGNITUDE[data.dtype]).sum(dtype=count)
-    underflow = (magnitude == 0).sum(dtype=count) - torch.where(finite, slice_size - nonzero, 0).sum(dtype=count)
-    return torch.stack([nonzero.sum(dtype=count), overflow, underflow]).to(torch.int64)
+    if history is not None:
+        history_scale, usable = history
+        saturated = (~((x.to(torch.float32) * history_scale).abs() <= fp8_max(data.dtype))).sum(dtype=count)
+        overflow = torch.where(usable, saturated, overflow).reshape(())
+    zero_bytes = (magnitude == 0).sum(dtype=count)
+    if scale.numel() == 1:  # one scale (few graph nodes: see the chain limit in tests/test_compiled_saved_casts.py)
+        nonzero = (x != 0).sum(dtype=count)
+        underflow = zero_bytes - torch.where(scale.isfinite(), x.numel() - nonzero, 0).reshape(())
+    else:
+        shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
+        slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
+        slices_nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count)
+        zeros = torch.where(scale.reshape(shape).isfinite(), x.numel() // scale.numel() - slices_nonzero, 0)
+        nonzero, underflow = slices_nonzero.sum(dtype=count), zero_bytes - zeros.sum(dtype=count)
+    return torch.stack([nonzero, overflow, underflow]).to(torch.int64)
 
 
 def blocked(x: Tensor, block: tuple[int, int]) -> Tensor:
@@ -423,18 +442,23 @@ def _quantize_reference(
     # a scale from x's own amax (per tensor, row or block) cannot saturate a finite element: see cast_statistics
     # (a reduced amax, the whole tensor's, is at least this piece's: still no saturation)
     overflow_free = scale is None and spec.scale_source == "current"
+    history = None  # the history's (scale, usable) where the cast took the history's scale or, if not usable, x's own
     if scale is None:
         scale = amax_to_scale(amax, spec.fp8_max, spec.margin, spec.power_of_2)
         if spec.scale_source == "history":
             if history_scale is None or history_ready is None:
                 raise ValueError("a history-scaled cast needs history_scale and history_ready")
             scale = torch.where(history_ready, history_scale, scale)
+            if spec.role == GRAD_OUTPUT:
+                # the backward's casts only: counted from the bytes, a forward cast adds graph nodes that take
+                # delayed's forward chain past the partitioner's recompute limit (tests/test_compiled_saved_casts.py)
+                history = (history_scale, history_ready)
     if spec.granularity == "block":
         data, counts = _cast_blocks(x, scale, spec, statistics and counters, overflow_free)
         return Quantized(data, scale, _block_stats(x, amax, scale, counts) if statistics else None, spec.block)
     if statistics and (counters or use_triton(x)):
         # on CUDA eager the fused Triton cast counts in the same pass (at no cost worth a second path): dropped there
-        data, counts = cast_with_statistics(x, scale, spec.dtype, overflow_free)
+        data, counts = cast_with_statistics(x, scale, spec.dtype, overflow_free, history)
         counts = counts if counters else None
     else:
         data, counts = saturated_cast(x.to(torch.float32) * scale, spec.dtype), None

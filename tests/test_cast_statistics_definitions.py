@@ -110,3 +110,32 @@ def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8)
         assert torch.equal(data.view(torch.uint8), eager.view(torch.uint8)), (source, fp8, scale.shape)
         want = _reference(inp, x_scaled, eager, True)
         assert torch.equal(counts, want), (source, fp8, scale.flatten()[:3], counts.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("source", ["bf16_all", "f32_random"])
+def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, fp8):
+    """Compiled, a ``delayed`` cast (the history's scale where usable, else the tensor's own amax's) counts from the
+    FP8 bytes, its history overflows from ``x``: the definitions' counts under every special history scale (usable;
+    a finite one saturates elements), and with the history not usable (the own-amax scale)."""
+    from lightning_fp8.quantize import cast_with_statistics
+    from lightning_fp8.recipe import amax_to_scale
+
+    x = SOURCES[source]()
+    torch._dynamo.reset()
+
+    def cast(x, history_scale, usable):
+        own = amax_to_scale(x.abs().amax().float(), FP8_MAX[fp8])
+        scale = torch.where(usable, history_scale, own)
+        data, counts = cast_with_statistics(x, scale, fp8, history=(history_scale, usable))
+        return data, counts, scale
+
+    compiled = torch.compile(cast, fullgraph=True)
+    for s in SPECIAL:
+        for usable in (True, False):
+            data, counts, scale = compiled(x, torch.tensor([s]), torch.tensor([usable]))
+            x_scaled = x.to(torch.float32) * scale
+            eager = saturated_cast(x_scaled, fp8)
+            assert torch.equal(data.view(torch.uint8), eager.view(torch.uint8)), (source, fp8, s, usable)
+            want = _reference(x, x_scaled, eager, False)  # overflow as defined: not |x * scale| <= fp8_max
+            assert torch.equal(counts, want), (source, fp8, s, usable, counts.tolist(), want.tolist())
