@@ -201,8 +201,9 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bo
 
     Eager, the counts come from ``_cast_statistics_eager`` (about a third cheaper on a CPU than boolean
     masks); under ``torch.compile`` from the float values (``_cast_statistics_from_values``), which inductor
-    fuses into the cast's loop, except for an ``overflow_free`` cast through :func:`cast_with_statistics`, which counts
-    from the stored FP8 bytes (``_cast_statistics_from_bytes``). All equal the definitions above exactly.
+    fuses into the cast's loop, except for the casts through :func:`cast_with_statistics` that are ``overflow_free``
+    or take a history scale (``delayed``'s grad_output casts), which count from the stored FP8 bytes
+    (``_cast_statistics_from_bytes``). All equal the definitions above exactly.
     """
     if torch.compiler.is_compiling():
         return _cast_statistics_from_values(x, x_scaled, data.dtype)
