@@ -305,16 +305,11 @@ def _cast_statistics_from_bytes(
         history_scale, usable = history
         saturated = (~((x.to(torch.float32) * history_scale).abs() <= fp8_max(data.dtype))).sum(dtype=count)
         overflow = torch.where(usable, saturated, overflow).reshape(())
-    zero_bytes = (magnitude == 0).sum(dtype=count)
-    if scale.numel() == 1:  # one scale (few graph nodes: see the chain limit in tests/test_compiled_saved_casts.py)
-        nonzero = (x != 0).sum(dtype=count)
-        underflow = zero_bytes - torch.where(scale.isfinite(), x.numel() - nonzero, 0).reshape(())
-    else:
-        shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
-        slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
-        slices_nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count)
-        zeros = torch.where(scale.reshape(shape).isfinite(), x.numel() // scale.numel() - slices_nonzero, 0)
-        nonzero, underflow = slices_nonzero.sum(dtype=count), zero_bytes - zeros.sum(dtype=count)
+    shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
+    slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
+    slices_nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count)
+    zeros = torch.where(scale.reshape(shape).isfinite(), x.numel() // scale.numel() - slices_nonzero, 0)
+    nonzero, underflow = slices_nonzero.sum(dtype=count), (magnitude == 0).sum(dtype=count) - zeros.sum(dtype=count)
     return torch.stack([nonzero, overflow, underflow]).to(torch.int64)
 
 
