@@ -444,11 +444,11 @@ def _updates_gathered_weights(optimizer: torch.optim.Optimizer) -> bool:
     ``DTensor`` (FSDP2's sharded parameter). A plain one (a copy of a prepared model that was never sharded, which
     one rank may train alone) is never gathered. Remembered on the optimizer while its parameters are the same
     tensors."""
-    params = tuple(p for group in optimizer.param_groups for p in group["params"])
-    key = tuple(map(id, params))
+    key = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
     known = optimizer.__dict__.get("_fp8_gathered_weights")
     if known is not None and known[0] == key:
         return known[1]
+    params = (p for group in optimizer.param_groups for p in group["params"])
     holds = any(isinstance(p, DTensor) and isinstance(p._local_tensor, FP8ShardedWeight) for p in params)
     optimizer.__dict__["_fp8_gathered_weights"] = (key, holds)
     return holds

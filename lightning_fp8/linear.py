@@ -257,7 +257,7 @@ class _LinearCall:
             # a gathered weight's statistics: once per optimizer step (each micro-batch's gather repeats them), and
             # only by a forward that records (an evaluation forward leaves them to the next training forward)
             # (the weights epoch too: an optimizer step the plugin does not see changes the weights, not the generation)
-            stamp = (id(self.table), self.table.generation, _weights_epoch)
+            stamp = self.step_key()
             if self.layer.__dict__.get("_fp8_provided_generation") != stamp:
                 self.layer.__dict__["_fp8_provided_generation"] = stamp
                 self.record(spec.role, provided)
@@ -294,14 +294,15 @@ class _LinearCall:
             cache[spec] = (key, q, record, weakref.ref(owner))
         return q
 
+    def step_key(self) -> tuple[int, int, int]:
+        """The optimizer step a weight's cast or statistics record belongs to: the state table, its generation (the
+        plugins roll it at their steps) and the weights epoch (:func:`weights_may_have_changed`: any optimizer step)."""
+        return id(self.table), self.table.generation, _weights_epoch
+
     def weight_key(self, weight: Tensor) -> tuple[Any, ...]:
         """What a kept weight cast (and a weight's statistics record) is valid for, besides the tensor object itself:
-        the state table and its generation, the weights epoch, the weight's version counter, storage, dtype and
-        device."""
-        return (
-            id(self.table), self.table.generation, _weights_epoch, weight._version, weight.data_ptr(), weight.dtype,
-            weight.device,
-        )  # fmt: skip
+        the optimizer step (:meth:`step_key`), the weight's version counter, storage, dtype and device."""
+        return (*self.step_key(), weight._version, weight.data_ptr(), weight.dtype, weight.device)
 
     def first_weight_record(self, weight: Tensor, spec: CastSpec) -> bool:
         """Whether a forward that keeps no cast (``no_grad``) is the first in this optimizer step to record the
