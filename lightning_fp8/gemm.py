@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_fp8.quantize import blocked
-from lightning_fp8.recipe import BLOCKWISE_TILE, E4M3, E5M2, MX_BLOCK, stored
+from lightning_fp8.recipe import BLOCKWISE_TILE, E4M3, E5M2, MX_BLOCK, rounded_to, stored
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +246,8 @@ def emulated_scaled_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_d
     with torch.autocast(a.device.type, enabled=False):
         product = a.to(torch.float32) @ b.to(torch.float32)
     if inv_a.numel() == 1 and inv_b.numel() == 1:
-        return (product * (inv_a * inv_b)).to(out_dtype)  # one alpha, as cuBLAS applies it
-    return (product * inv_a * inv_b).to(out_dtype)
+        return rounded_to(product * (inv_a * inv_b), out_dtype)  # one alpha, as cuBLAS applies it
+    return rounded_to(product * inv_a * inv_b, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- block scaling
@@ -442,7 +442,7 @@ def fp8_block_mm(
         out = _block_scaled_mm_op(a, b, native_a, kind_a, native_b, kind_b, out_dtype)
     else:
         with torch.autocast(a.device.type, enabled=False):
-            out = (dequantize_blocks(a, inv_a, block_a) @ dequantize_blocks(b, inv_b, block_b)).to(out_dtype)
+            out = rounded_to(dequantize_blocks(a, inv_a, block_a) @ dequantize_blocks(b, inv_b, block_b), out_dtype)
     if out.shape == (m, n):
         return out
     return out[:m, :n].clone() if own_output else out[:m, :n]

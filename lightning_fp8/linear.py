@@ -51,7 +51,7 @@ from lightning_fp8 import gemm
 from lightning_fp8.distributed import TensorParallelLayout, gathered_weights_changed, tensor_parallel_layout
 from lightning_fp8.module import FP8Module
 from lightning_fp8.quantize import Quantized, quantize
-from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs
+from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs, rounded_to
 from lightning_fp8.region import ForwardDecision, decide, in_recomputation
 from lightning_fp8.state import FP8StateTable
 
@@ -590,7 +590,7 @@ class FP8Linear(FP8Module, nn.Linear):
         out = DTensor.from_local(self._forward(x, weight, None, layout), mesh, [Partial()], run_check=False)
         if self.bias is not None:
             bias = self.bias if isinstance(self.bias, DTensor) else DTensor.from_local(self.bias, mesh, [Replicate()], run_check=False)
-            out = out + bias.to(out.dtype)
+            out = out + rounded_to(bias, out.dtype)
         return out
 
     def _forward(self, input: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallelLayout | None) -> Tensor:
@@ -627,7 +627,7 @@ class FP8Linear(FP8Module, nn.Linear):
         if autocast and not specs.input_reused:
             # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
-            x2d = x2d.to(out_dtype)
+            x2d = rounded_to(x2d, out_dtype)
         x2d = x2d.contiguous()
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
         # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an
@@ -673,7 +673,7 @@ class FP8Linear(FP8Module, nn.Linear):
             self._fp8_decision = decision
         out = out.reshape(*input.shape[:-1], weight.shape[0])
         if bias is not None:
-            out = out + bias.to(out.dtype)
+            out = out + rounded_to(bias, out.dtype)
         return out
 
     def extra_repr(self) -> str:

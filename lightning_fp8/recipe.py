@@ -454,3 +454,60 @@ def stored(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         return t.as_strided(t.shape, t.stride())
     return t
+
+
+#: the tensor types :func:`rounded_to` rounds on the bits (a subclass such as a ``DTensor`` converts as it does)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, for a float32 ``x`` and a 16-bit ``dtype`` rounded also where ``torch.compile`` would not round it.
+
+    Inductor computes fused bfloat16 and float16 arithmetic in float32, and when a consumer in the same kernel reads
+    a value converted to one of them, it reads the float32 value: the conversion's rounding is skipped (unless the
+    global ``torch._inductor.config.emulate_precision_casts`` is set). That is its design for ordinary operations, but
+    three conversions define what an FP8 layer computes:
+
+    * an emulated GEMM's output: it stands for a kernel that writes its output rounded to ``out_dtype`` (compiled,
+      the emulation's result flowed unrounded into the bias or the upcast to float32);
+    * under autocast, the bias, which ``nn.Linear`` hands to its GEMM in the autocast dtype;
+    * under autocast, the input of the recipes that cast what the GEMM would compute with (``rowwise``, the block
+      recipes).
+
+    Compiled on a machine without FP8 GEMMs, a step gave other numbers than the same step run eagerly, for every
+    recipe (one ``FP8Linear`` in float32 with ``rowwise``, whose GEMM outputs bfloat16: outputs apart by up to 0.004,
+    weight gradients by 0.85, from the first step; in bfloat16 or float16, every recipe). Compiling, the rounding is
+    done on the bits, which inductor keeps:
+
+    * bfloat16: round the float32 bits to nearest even at bit 16 and clear the 16 bits below;
+    * float16: the same at bit 13 for normal results, ``round(x * 2**24) * 2**-24`` below float16's smallest normal
+      ``2**-14`` (its subnormals are multiples of ``2**-24``), and an infinity of ``x``'s sign above 65504;
+
+    NaNs pass through. The result is exactly representable in ``dtype``: the final ``.to(dtype)`` is exact whether
+    or not inductor keeps it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as a ``DTensor``) this is ``x.to(dtype)``.
+    """
+    direct = x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16) or type(x) not in _PLAIN
+    if direct or not torch.compiler.is_compiling():
+        return x.to(dtype)
+    return _RoundedOnBits.apply(x, dtype)
+
+
+class _RoundedOnBits(torch.autograd.Function):
+    """:func:`rounded_to`'s compiled rounding; its gradient is ``x.to(dtype)``'s (the bits themselves carry none)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        bits = x.view(torch.int32).to(torch.int64)  # int64: NaN patterns overflow int32 once the rounding bit is added
+        shift = 16 if dtype == torch.bfloat16 else 13
+        half = (1 << (shift - 1)) - 1
+        bits = (bits + half + ((bits >> shift) & 1)) & -(1 << shift)
+        rounded = bits.to(torch.int32).view(torch.float32)
+        if dtype == torch.float16:
+            subnormal = torch.round(x * 2.0**24) * 2.0**-24
+            rounded = torch.where(x.abs() < 2.0**-14, subnormal, rounded)
+            rounded = torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded * torch.inf, rounded)
+        return torch.where(x.isnan(), x, rounded).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(torch.float32), None
