@@ -456,7 +456,7 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-#: the tensor types :func:`rounded_to` rounds on the bits (a subclass such as a ``DTensor`` converts as it does)
+#: the tensor types :func:`rounded_to` rounds through their bits (a subclass such as a ``DTensor`` converts as it does)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -476,37 +476,34 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Compiled on a machine without FP8 GEMMs, a step gave other numbers than the same step run eagerly, for every
     recipe (one ``FP8Linear`` in float32 with ``rowwise``, whose GEMM outputs bfloat16: outputs apart by up to 0.004,
-    weight gradients by 0.85, from the first step; in bfloat16 or float16, every recipe). Compiling, the rounding is
-    done on the bits, which inductor keeps:
-
-    * bfloat16: round the float32 bits to nearest even at bit 16 and clear the 16 bits below;
-    * float16: the same at bit 13 for normal results, ``round(x * 2**24) * 2**-24`` below float16's smallest normal
-      ``2**-14`` (its subnormals are multiples of ``2**-24``), and an infinity of ``x``'s sign above 65504;
-
-    NaNs pass through. The result is exactly representable in ``dtype``: the final ``.to(dtype)`` is exact whether
-    or not inductor keeps it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as a ``DTensor``) this is ``x.to(dtype)``.
+    weight gradients by 0.85, from the first step; in bfloat16 or float16, every recipe). Compiling, the converted
+    value goes through its bits: viewed as ``int16``, OR-ed with zero (an integer operation, which only the rounded
+    16 bits can feed) and viewed back, so that the consumer reads the rounded value (on this CPU about a third of the
+    cost of a separate rounding in integer arithmetic on the float32 bits). ``tests/test_compiled_rounding.py``
+    checks the compiled result against ``.to`` on every float32 class, so a torch that folded the OR away would fail
+    it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as a ``DTensor``) this is
+    ``x.to(dtype)``.
     """
     direct = x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16) or type(x) not in _PLAIN
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
-    return _RoundedOnBits.apply(x, dtype)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _RoundedThroughBits.apply(x, dtype)
+    return _through_bits(x.to(dtype))
 
 
-class _RoundedOnBits(torch.autograd.Function):
-    """:func:`rounded_to`'s compiled rounding; its gradient is ``x.to(dtype)``'s (the bits themselves carry none)."""
+def _through_bits(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (bfloat16 or float16) as read from its own 16 bits: see :func:`rounded_to`."""
+    return (y.view(torch.int16) | 0).view(y.dtype)
+
+
+class _RoundedThroughBits(torch.autograd.Function):
+    """:func:`rounded_to` for a tensor that needs a gradient: the integer view carries none, ``x.to(dtype)``'s is
+    the upcast gradient. (Inside the FP8 GEMMs, which compute no gradients of their own, no Function is traced.)"""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
-        bits = x.view(torch.int32).to(torch.int64)  # int64: NaN patterns overflow int32 once the rounding bit is added
-        shift = 16 if dtype == torch.bfloat16 else 13
-        half = (1 << (shift - 1)) - 1
-        bits = (bits + half + ((bits >> shift) & 1)) & -(1 << shift)
-        rounded = bits.to(torch.int32).view(torch.float32)
-        if dtype == torch.float16:
-            subnormal = torch.round(x * 2.0**24) * 2.0**-24
-            rounded = torch.where(x.abs() < 2.0**-14, subnormal, rounded)
-            rounded = torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded * torch.inf, rounded)
-        return torch.where(x.isnan(), x, rounded).to(dtype)
+        return _through_bits(x.to(dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

@@ -4,8 +4,8 @@ Inductor computes fused bfloat16 / float16 arithmetic in float32 and skips a con
 in the same kernel reads it. The emulated GEMM stands for a kernel that writes its output rounded; compiled, that
 output reached the bias add (or the upcast to float32) unrounded, so a compiled step on a machine without FP8 GEMMs
 computed other numbers than the eager step, for every recipe in bfloat16 / float16 and for the recipes whose GEMM
-outputs bfloat16 (``rowwise``, the block recipes) in float32. ``lightning_fp8.recipe.rounded_to`` rounds on the
-float32 bits instead, which inductor keeps.
+outputs bfloat16 (``rowwise``, the block recipes) in float32. ``lightning_fp8.recipe.rounded_to`` makes the
+consumer read the converted value through its 16 bits, which inductor cannot skip.
 """
 
 from __future__ import annotations
