@@ -673,7 +673,7 @@ class FP8Linear(FP8Module, nn.Linear):
             self._fp8_decision = decision
         out = out.reshape(*input.shape[:-1], weight.shape[0])
         if bias is not None:
-            out = out + rounded_to(bias, out.dtype)
+            out = rounded_to(out + rounded_to(bias, out.dtype), out.dtype)
         return out
 
     def extra_repr(self) -> str:

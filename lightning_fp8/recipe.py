@@ -458,19 +458,23 @@ def stored(t: torch.Tensor) -> torch.Tensor:
 
 #: the tensor types :func:`rounded_to` rounds through their bits (a subclass such as a ``DTensor`` converts as it does)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, for a float32 ``x`` and a 16-bit ``dtype`` rounded also where ``torch.compile`` would not round it.
+    """``x.to(dtype)`` (``x`` float32 or of ``dtype``), for a 16-bit ``dtype`` rounded also where inductor would not.
 
     Inductor computes fused bfloat16 and float16 arithmetic in float32, and when a consumer in the same kernel reads
     a value converted to one of them, it reads the float32 value: the conversion's rounding is skipped (unless the
     global ``torch._inductor.config.emulate_precision_casts`` is set). That is its design for ordinary operations, but
-    three conversions define what an FP8 layer computes:
+    four conversions define what an FP8 layer computes:
 
     * an emulated GEMM's output: it stands for a kernel that writes its output rounded to ``out_dtype`` (compiled,
       the emulation's result flowed unrounded into the bias or the upcast to float32);
-    * under autocast, the bias, which ``nn.Linear`` hands to its GEMM in the autocast dtype;
+    * under autocast, the bias, which ``nn.Linear`` hands to its GEMM in the autocast dtype (and its gradient, a
+      16-bit sum over the tokens);
+    * in 16 bits, the layer's output with its bias added, which the next FP8 layer's cast reads (``x`` of ``dtype``
+      itself: the value as stored);
     * under autocast, the input of the recipes that cast what the GEMM would compute with (``rowwise``, the block
       recipes).
 
@@ -484,7 +488,7 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as a ``DTensor``) this is
     ``x.to(dtype)``.
     """
-    direct = x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16) or type(x) not in _PLAIN
+    direct = x.dtype not in (torch.float32, dtype) or dtype not in _SIXTEEN_BIT or type(x) not in _PLAIN
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
@@ -503,8 +507,13 @@ class _RoundedThroughBits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        ctx.x_dtype = x.dtype
         return _through_bits(x.to(dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad.to(torch.float32), None
+        # the incoming gradient as eager has it, rounded (a bias's: a 16-bit sum over the tokens, which inductor
+        # would otherwise upcast unrounded)
+        if grad.dtype in _SIXTEEN_BIT:
+            grad = _through_bits(grad)
+        return grad.to(ctx.x_dtype), None
