@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import lightning_fp8 as lf
-from lightning_fp8.recipe import RECIPES, rounded_to
+from lightning_fp8.recipe import rounded_to
 
 F16 = (torch.bfloat16, torch.float16)
 
