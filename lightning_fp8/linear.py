@@ -590,7 +590,14 @@ class FP8Linear(FP8Module, nn.Linear):
         out = DTensor.from_local(self._forward(x, weight, None, layout), mesh, [Partial()], run_check=False)
         if self.bias is not None:
             bias = self.bias if isinstance(self.bias, DTensor) else DTensor.from_local(self.bias, mesh, [Replicate()], run_check=False)
-            out = out + rounded_to(bias, out.dtype)
+            if torch.compiler.is_compiling() and out.dtype in (torch.bfloat16, torch.float16):
+                # the bias and the biased output rounded as the unsharded layer rounds them (see rounded_to), on the
+                # local tensors: rounded_to converts a DTensor with a plain .to, whose rounding inductor skips
+                bias = DTensor.from_local(rounded_to(bias.to_local(), out.dtype), mesh, bias.placements, run_check=False)
+                out = out + bias
+                out = DTensor.from_local(rounded_to(out.to_local(), out.dtype), mesh, out.placements, run_check=False)
+            else:
+                out = out + bias.to(out.dtype)
         return out
 
     def _forward(self, input: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallelLayout | None) -> Tensor:

@@ -63,6 +63,18 @@ def _check_every_emulated_gemm(monkeypatch):
     yield
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real gloo process group of one rank in this process (FSDP2 and DTensor need one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------- subprocesses started early, run in the background
 #
 # The suite's slow subprocesses (the 2-process checks, the Triton interpreter, the documentation pages, the examples

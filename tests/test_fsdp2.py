@@ -364,18 +364,6 @@ def test_prepare_for_sharding_with_a_plugin_converts_and_prepares():
 # ------------------------------------------------------------------ in-process, one rank (a real process group)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A real gloo process group of one rank in this process (FSDP2 and DTensor need one)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_fsdp1_modules_are_refused_with_a_pointer_to_fsdp2():
     plugin = lf.fabric.FP8Precision()
     fsdp1 = type("FullyShardedDataParallel", (nn.Module,), {})  # the check reads the wrapper's class name
