@@ -616,9 +616,15 @@ class _Blocks(nn.Module):
         return x
 
 
-#: a per-tensor, the history and a block recipe: how the graphs share the table does not depend on the cast specs
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8"])
-@pytest.mark.parametrize("defer", [False, True], ids=["standalone", "deferred"])
+#: under the deferred roll a per-tensor, the history and a block recipe (how the graphs share the table does not depend
+#: on the cast specs); in a standalone region, where each block compiles its own graph, a per-tensor one
+SEPARATE_BLOCK_CASES = [("tensorwise", True), ("delayed", True), ("mxfp8", True), ("tensorwise", False)]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "defer"), SEPARATE_BLOCK_CASES,
+    ids=[f"{'deferred' if d else 'standalone'}-{r}" for r, d in SEPARATE_BLOCK_CASES],
+)
 def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
     """Each block compiled on its own (a common way to compile transformers, torchtitan's and Lightning's model-parallel
     examples'): the graphs write rows of one shared state table, forward and backward. No graph may undo what another
@@ -630,7 +636,7 @@ def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    eager = _Blocks()
+    eager = _Blocks(n=3)
     lf.convert_to_fp8(eager, recipe=recipe)
     compiled = copy.deepcopy(eager)
     assert len({id(b[0].fp8_state.table) for b in compiled.blocks}) == 1
@@ -656,7 +662,7 @@ def test_blocks_compiled_separately_share_one_state_table(recipe, defer):
         state_compiled = {k.replace("._orig_mod", ""): v for k, v in _buffers(compiled).items()}
         for name, value in state_eager.items():
             assert torch.equal(value, state_compiled[name]), f"step {step} {name}"
-    # one graph for the four blocks, all three steps; a standalone region rolls between forward and backward, where
+    # one graph for the three blocks, all three steps; a standalone region rolls between forward and backward, where
     # each layer's row stays a constant of its graph (see FP8Linear._forward): one graph per block
     assert counter.frame_count == (1 if defer else len(compiled.blocks))
 
@@ -687,9 +693,13 @@ def _deferred_step(model, x, g, roll_before_backward=False):
     return out
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("scope", ["layers", "model"])
-def test_compiled_backward_reads_history_rolled_after_its_forward(backend, scope):
+#: both scopes traced (``aot_eager``); inductor's partitioner and codegen on the layers compiled one by one (the whole
+#: model under inductor checks nothing more: the same history reads, at several times the compile time)
+HISTORY_ROLL_CASES = [("layers", "aot_eager"), ("model", "aot_eager"), ("layers", "inductor")]
+
+
+@pytest.mark.parametrize(("scope", "backend"), HISTORY_ROLL_CASES, ids=[f"{s}-{b}" for s, b in HISTORY_ROLL_CASES])
+def test_compiled_backward_reads_history_rolled_after_its_forward(scope, backend):
     """Under a deferred roll the roll may still fall between a layer's forward and its backward: manual optimization
     with two optimizers (a GAN: the discriminator's step rolls the one table, then the generator's backward runs), or
     a backward over a retained graph. The compiled backward must read the grad_output history as it is when it runs,
@@ -827,11 +837,11 @@ class _CheckpointedBlock(nn.Module):
 
 
 def _checkpointed_twins(recipe, scope, backend):
-    """Three blocks, each in an activation checkpoint, eager and compiled with its checkpoint (``scope``: the whole model
+    """Two blocks, each in an activation checkpoint, eager and compiled with its checkpoint (``scope``: the whole model
     or block by block), same weights."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = _Blocks(n=3)
+    eager = _Blocks(n=2)
     lf.convert_to_fp8(eager, recipe=recipe)
     compiled = copy.deepcopy(eager)
     eager.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in eager.blocks)
@@ -860,8 +870,12 @@ def _assert_steps_match(eager, compiled, growth, roll_before_backward=False, run
     return state_eager
 
 
-@pytest.mark.parametrize("scope", ["model", "blocks"])
-@pytest.mark.parametrize("recipe", RECIPES)
+#: every recipe compiled whole; block by block (a frame per checkpointed block, one shared graph) a per-tensor and a
+#: block recipe: how the block graphs share the table does not depend on the cast specs
+CHECKPOINTED_CASES = [(recipe, "model") for recipe in RECIPES] + [("tensorwise", "blocks"), ("mxfp8", "blocks")]
+
+
+@pytest.mark.parametrize(("recipe", "scope"), CHECKPOINTED_CASES, ids=[f"{r}-{s}" for r, s in CHECKPOINTED_CASES])
 def test_compiled_checkpointed_blocks_match_eager(recipe, scope):
     """An activation checkpoint compiled with its block (``torch.compile(checkpointed_block)``, or the whole model),
     under a deferred roll (the plugins'), against the same checkpointed model eager, bit for bit, FP8 state included.
@@ -898,8 +912,11 @@ def _standalone_step(model, x, g):
     return out
 
 
-@pytest.mark.parametrize("scope", ["model", "blocks"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+#: the history recipe compiled whole and block by block; a per-tensor one whole
+STANDALONE_CASES = [("delayed", "model"), ("delayed", "blocks"), ("tensorwise", "model")]
+
+
+@pytest.mark.parametrize(("recipe", "scope"), STANDALONE_CASES, ids=[f"{r}-{s}" for r, s in STANDALONE_CASES])
 def test_standalone_region_compiles_checkpointed_blocks(recipe, scope):
     """Checkpointed blocks compiled with their checkpoint (whole model or block by block) inside a standalone
     ``fp8_autocast()``: one graph per frame with ``fullgraph=True``, bit for bit with the eager twin over three steps,
@@ -914,7 +931,7 @@ def test_standalone_region_compiles_checkpointed_blocks(recipe, scope):
     assert int(state_eager["counts"][0, 0, 0]) == 3 * 8 * 64  # each input recorded once a step
     history = state_eager["amax_history"][0, 0]  # one roll a step: three input amaxes, the latest first
     assert bool((history[:3] > 0).all()) and bool((history[3:] == 0).all())
-    assert counter.frame_count == (1 if scope == "model" else 3)  # standalone: each block's row is a constant
+    assert counter.frame_count == (1 if scope == "model" else 2)  # standalone: each block's row is a constant
 
 
 def test_standalone_region_rolls_the_tables_that_recorded_inside_it_once():
