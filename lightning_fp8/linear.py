@@ -591,13 +591,12 @@ class FP8Linear(FP8Module, nn.Linear):
         if self.bias is not None:
             bias = self.bias if isinstance(self.bias, DTensor) else DTensor.from_local(self.bias, mesh, [Replicate()], run_check=False)
             if torch.compiler.is_compiling() and out.dtype in (torch.bfloat16, torch.float16):
-                # the bias and the biased output rounded as the unsharded layer rounds them (see rounded_to), on the
-                # local tensors: rounded_to converts a DTensor with a plain .to, whose rounding inductor skips
+                # the bias rounded as the unsharded layer rounds it (see rounded_to), on the local tensor: rounded_to
+                # converts a DTensor with a plain .to, whose rounding inductor skips. (The biased output is reduced
+                # across the ranks before anything reads it; rounding it here, before the reduction, failed inductor's
+                # lowering of the in-place collective on 2 ranks.)
                 bias = DTensor.from_local(rounded_to(bias.to_local(), out.dtype), mesh, bias.placements, run_check=False)
-                out = out + bias
-                out = DTensor.from_local(rounded_to(out.to_local(), out.dtype), mesh, out.placements, run_check=False)
-            else:
-                out = out + bias.to(out.dtype)
+            out = out + bias.to(out.dtype)
         return out
 
     def _forward(self, input: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallelLayout | None) -> Tensor:

@@ -441,6 +441,16 @@ def test_tensor_parallel_layers_match_the_unsharded_layers_for_every_recipe(gloo
             assert result["weight_scale_equal_0"] and result["weight_scale_equal_2"], recipe
 
 
+@pytest.mark.gloo(f"tp_layers/{TP_RECIPES}")
+def test_tensor_parallel_layers_compiled_match_eager_bitwise_on_two_ranks(gloo_runs):
+    """Column-wise then row-wise FP8 layers with biases compiled by inductor on 2 ranks, under bf16 autocast: outputs,
+    input and parameter gradients bit-identical to the eager tensor-parallel layers over two steps (the roundings of
+    tests/test_compiled_rounding.py, on the local tensors)."""
+    equal = torch.load(gloo_runs.folder(f"tp_layers/{TP_RECIPES}") / "tp_compiled.pt", weights_only=True)
+    assert len(equal) == 2 * 6, equal  # output, input gradient, 4 parameter gradients, two steps
+    assert all(equal.values()), [name for name, same in equal.items() if not same]
+
+
 def test_fsdp1_strategies_refuse_the_plugin():
     """Lightning's FSDP (FSDP1) strategies accept only their own FSDPPrecision: the TypeError the docs quote (on a CPU,
     Lightning refuses strategy="fsdp" even earlier, for the accelerator)."""
