@@ -462,6 +462,27 @@ def _check_input(x: Tensor) -> None:
         raise TypeError(f"FP8Linear expects a floating-point input, got {x.dtype}")
 
 
+def _own_buffer(t: Tensor) -> Tensor:
+    """``t`` in a buffer of its own when compiled, for a collective to reduce in place: inductor cannot lower an
+    in-place collective on the 16-bit view through which an emulated GEMM's output is rounded (see
+    :func:`~lightning_fp8.recipe.rounded_to`; ``make_reindexer NYI on DtypeView``), and removes a plain copy. Two
+    exact negations, fused into the GEMM output's kernel. Eager: ``t``."""
+    return torch.neg(torch.neg(t)) if torch.compiler.is_compiling() else t
+
+
+class _GradientInOwnBuffer(torch.autograd.Function):
+    """Identity whose gradient goes through :func:`_own_buffer` (a column-wise layer's input gradient, which the
+    tensor-parallel style reduces across the ranks)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return _own_buffer(grad)
+
+
 class FP8Linear(FP8Module, nn.Linear):
     """``nn.Linear`` whose forward and backward GEMMs run in FP8 inside :func:`~lightning_fp8.fp8_autocast`.
 
@@ -583,11 +604,13 @@ class FP8Linear(FP8Module, nn.Linear):
         weight = self.weight.to_local()
         if layout.style == "colwise":
             x = input.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            if torch.compiler.is_compiling():
+                x = _GradientInOwnBuffer.apply(x)  # the input gradient, a partial sum, is reduced across the ranks
             bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
             out = self._forward(x, weight, bias, layout)
             return DTensor.from_local(out, mesh, [Shard(last)], run_check=False)
         x = input.redistribute(mesh, [Shard(last)]).to_local()
-        out = DTensor.from_local(self._forward(x, weight, None, layout), mesh, [Partial()], run_check=False)
+        out = DTensor.from_local(_own_buffer(self._forward(x, weight, None, layout)), mesh, [Partial()], run_check=False)
         if self.bias is not None:
             bias = self.bias if isinstance(self.bias, DTensor) else DTensor.from_local(self.bias, mesh, [Replicate()], run_check=False)
             if torch.compiler.is_compiling() and out.dtype in (torch.bfloat16, torch.float16):
