@@ -51,7 +51,9 @@ from lightning_fp8 import gemm
 from lightning_fp8.distributed import TensorParallelLayout, gathered_weights_changed, tensor_parallel_layout
 from lightning_fp8.module import FP8Module
 from lightning_fp8.quantize import Quantized, quantize
-from lightning_fp8.recipe import E4M3, E5M2, GRAD_OUTPUT, INPUT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs, rounded_to
+from lightning_fp8.recipe import (
+    E4M3, E5M2, GRAD_OUTPUT, INPUT, SIXTEEN_BIT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs, rounded_to,
+)
 from lightning_fp8.region import ForwardDecision, decide, in_recomputation
 from lightning_fp8.state import FP8StateTable
 
@@ -466,8 +468,9 @@ def _own_buffer(t: Tensor) -> Tensor:
     """``t`` in a buffer of its own when compiled, for a collective to reduce in place: inductor cannot lower an
     in-place collective on the 16-bit view through which an emulated GEMM's output is rounded (see
     :func:`~lightning_fp8.recipe.rounded_to`; ``make_reindexer NYI on DtypeView``), and removes a plain copy. Two
-    exact negations, fused into the GEMM output's kernel. Eager: ``t``."""
-    return torch.neg(torch.neg(t)) if torch.compiler.is_compiling() else t
+    exact negations, fused into the GEMM output's kernel, for a 16-bit ``t`` (the only kind rounded through a view).
+    Eager: ``t``."""
+    return torch.neg(torch.neg(t)) if torch.compiler.is_compiling() and t.dtype in SIXTEEN_BIT else t
 
 
 class _GradientInOwnBuffer(torch.autograd.Function):
@@ -613,7 +616,7 @@ class FP8Linear(FP8Module, nn.Linear):
         out = DTensor.from_local(_own_buffer(self._forward(x, weight, None, layout)), mesh, [Partial()], run_check=False)
         if self.bias is not None:
             bias = self.bias if isinstance(self.bias, DTensor) else DTensor.from_local(self.bias, mesh, [Replicate()], run_check=False)
-            if torch.compiler.is_compiling() and out.dtype in (torch.bfloat16, torch.float16):
+            if torch.compiler.is_compiling():
                 # the bias rounded as the unsharded layer rounds it (see rounded_to), on the local tensor: rounded_to
                 # converts a DTensor with a plain .to, whose rounding inductor skips. (The biased output is reduced
                 # across the ranks before anything reads it; rounding it here, before the reduction, failed inductor's

@@ -458,7 +458,8 @@ def stored(t: torch.Tensor) -> torch.Tensor:
 
 #: the tensor types :func:`rounded_to` rounds through their bits (a subclass such as a ``DTensor`` converts as it does)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+#: the 16-bit dtypes whose roundings inductor may skip (see :func:`rounded_to`)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -488,7 +489,7 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as a ``DTensor``) this is
     ``x.to(dtype)``.
     """
-    direct = x.dtype not in (torch.float32, dtype) or dtype not in _SIXTEEN_BIT or type(x) not in _PLAIN
+    direct = x.dtype not in (torch.float32, dtype) or dtype not in SIXTEEN_BIT or type(x) not in _PLAIN
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
@@ -514,6 +515,6 @@ class _RoundedThroughBits(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         # the incoming gradient as eager has it, rounded (a bias's: a 16-bit sum over the tokens, which inductor
         # would otherwise upcast unrounded)
-        if grad.dtype in _SIXTEEN_BIT:
+        if grad.dtype in SIXTEEN_BIT:
             grad = _through_bits(grad)
         return grad.to(ctx.x_dtype), None
