@@ -259,6 +259,11 @@ class _LinearCall:
             # a gathered weight's statistics: once per optimizer step (each micro-batch's gather repeats them), and
             # only by a forward that records (an evaluation forward leaves them to the next training forward)
             # (the weights epoch too: an optimizer step the plugin does not see changes the weights, not the generation)
+            if torch.compiler.is_compiling():
+                # compiled, at every micro-batch, as a cast of the layer's own (the step stamp is Python state the
+                # graph would guard on: a recompilation every step); the amax is the same, the counts add up
+                self.record(spec.role, provided)
+                return provided
             stamp = self.step_key()
             if self.layer.__dict__.get("_fp8_provided_generation") != stamp:
                 self.layer.__dict__["_fp8_provided_generation"] = stamp

@@ -571,9 +571,12 @@ class FP8StateRef:
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` for every module of ``model`` that holds FP8 state (each module once)."""
+    """``(qualified name, module)`` for every module of ``model`` that holds FP8 state (each module once).
+
+    The state is read from the module's own attributes: ``torch.compile``'s wrapper of a layer forwards attribute
+    reads to the layer, and is not a second layer (the layer comes next, as ``<name>._orig_mod``)."""
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "fp8_state", None), FP8StateRef):
+        if isinstance(module.__dict__.get("fp8_state"), FP8StateRef):
             yield name, module
 
 

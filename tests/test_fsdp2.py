@@ -453,6 +453,22 @@ def test_tensor_parallel_layers_compiled_match_eager_bitwise_on_two_ranks(gloo_r
     assert all(equal.values()), [name for name, same in equal.items() if not same]
 
 
+FSDP2_COMPILED_RECIPES = "tensorwise,delayed,rowwise"
+
+
+@pytest.mark.gloo(f"fsdp2_compiled/{FSDP2_COMPILED_RECIPES}")
+def test_fsdp2_blocks_compiled_by_inductor_match_eager_bitwise_on_two_ranks(gloo_runs):
+    """FSDP2 on 2 ranks, bf16 parameters, each block compiled by inductor with ``fullgraph=True``, two micro-batches
+    per step (tests/scripts/fsdp2_compiled.py): no graph compiled after the first step, and the outputs, the gathered
+    gradients and the amax histories bit-identical to the same sharded blocks eager, for the recipes that gather in FP8
+    (``tensorwise``, ``delayed``: they recompiled at every step before) and one that gathers bf16 (``rowwise``)."""
+    results = torch.load(gloo_runs.folder(f"fsdp2_compiled/{FSDP2_COMPILED_RECIPES}") / "fsdp2_compiled.pt")
+    assert list(results) == FSDP2_COMPILED_RECIPES.split(",")
+    for recipe, result in results.items():
+        assert not result["recompiled"], recipe
+        assert result["equal"] and result["compared"] == 3 * (2 + 4) + 1, (recipe, result)
+
+
 def test_fsdp1_strategies_refuse_the_plugin():
     """Lightning's FSDP (FSDP1) strategies accept only their own FSDPPrecision: the TypeError the docs quote (on a CPU,
     Lightning refuses strategy="fsdp" even earlier, for the accelerator)."""
@@ -1110,3 +1126,48 @@ def test_weights_may_have_changed_on_all_ranks_refreshes_the_gather_scales(recip
         runs.append((first, second, third))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["delayed"])  # tensorwise: on 2 ranks below
+def test_fsdp2_blocks_compiled_with_fp8_all_gather_never_recompile(recipe, one_rank_group):
+    """FSDP2 with FP8 all-gather, each sharded child compiled (torchtitan's way), two micro-batches per optimizer step
+    for five steps: one graph per child for the whole run (no recompilation after the first step; before, the
+    gathered weight's once-per-step statistics record was Python state the graph guarded on, so every step recompiled
+    and past torch's recompile limit (8) the children ran eager or, with ``fullgraph=True``, failed), and the
+    outputs, the gradients and the amax histories are the unsharded eager model's, bit for bit (``aot_eager``)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    runs = []
+    for compiled, (model, plugin) in zip((True, False), _twin_models(recipe)):
+        if compiled:
+            for index in (0, 2):
+                model[index] = torch.compile(model[index], backend=backend, fullgraph=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        seen = []
+        for step in range(5):
+            if compiled and step == 1:
+                warm = backend.frame_count  # the children's graphs, compiled at the first step
+            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                for micro in range(2):
+                    if compiled:
+                        model.set_requires_gradient_sync(micro == 1)
+                    with plugin.forward_context():
+                        out = model(torch.randn(8, 32) * (1 + micro))
+                    out.float().square().mean().backward()
+                    seen.append(out.detach())
+            seen.append([p.grad.full_tensor() if compiled else p.grad.clone() for p in model.parameters()])
+            plugin.optimizer_step(optimizer)
+            optimizer.zero_grad()
+        runs.append((seen, [t["amax_history"].clone() for t in lf.fp8_state_dict(model)["tables"]]))
+    assert backend.frame_count == warm and 1 <= warm <= 2  # no graph compiled after the first step
+    (seen, histories), (seen_plain, histories_plain) = runs
+    for a, b in zip(seen, seen_plain):
+        for x, y in zip(*((a, b) if isinstance(a, list) else ([a], [b]))):
+            assert torch.equal(x, y)
+    for a, b in zip(histories, histories_plain):
+        assert torch.equal(a, b) and bool((a > 0).any())

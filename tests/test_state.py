@@ -162,6 +162,29 @@ def test_fp8_state_dict_round_trip(recipe):
     assert torch.equal(_step(model, x, g), _step(fresh, x, g))
 
 
+def test_a_layer_replaced_by_its_compiled_wrapper_is_one_layer():
+    """An FP8 layer compiled on its own and put back in its model (``model[0] = torch.compile(model[0])``): the
+    wrapper forwards attribute reads to the layer, so it was taken for a second FP8 layer: the state listed the layer
+    twice ("0" and "0._orig_mod": metrics logged twice, and after a re-bind, such as FSDP2's, a row of its own that
+    the layer never updates). Now the layer is listed once, under the name its parameters have."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plugin = lf.fabric.FP8Precision(recipe="delayed")
+    plugin.convert_module(model)
+    model[0] = torch.compile(model[0], backend="eager")
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        with plugin.forward_context():
+            out = model(torch.randn(8, 32))
+        out.square().mean().backward()
+        plugin.optimizer_step(optimizer)
+        optimizer.zero_grad()
+    (table,) = lf.fp8_state_dict(model)["tables"]
+    assert table["layers"] == ["0._orig_mod", "2"]
+    assert "0._orig_mod.weight" in model.state_dict()
+    assert table["amax_history"].shape[0] == 2 and bool((table["amax_history"][:, :, :2] > 0).all())
+    assert [name for name, _ in lf.state.fp8_layers(model)] == ["0._orig_mod", "2"]
+
+
 def test_load_fp8_state_dict_recipe_mismatch():
     state = lf.fp8_state_dict(_model("delayed"))
     for other in ("tensorwise", FP8Recipe(name="delayed", margin=1), FP8Recipe(name="delayed", amax_history_len=4)):
