@@ -37,7 +37,7 @@ from lightning_fp8.gemm import describe_gemm_path, gemm_path
 from lightning_fp8.linear import FP8Linear
 from lightning_fp8.module import FP8Module
 from lightning_fp8.recipe import FP8Recipe, resolve_recipe
-from lightning_fp8.state import bind_state_tables
+from lightning_fp8.state import bind_state_tables, without_orig_mod
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +178,13 @@ def closest_names(pattern: str, names: Sequence[str], n: int = 5) -> list[str]:
         tail = ".".join(name.split(".")[-parts:])
         scored[name] = max(
             difflib.SequenceMatcher(None, pattern, candidate).ratio()
-            for candidate in dict.fromkeys((name, _without_orig_mod(name), tail))
+            for candidate in dict.fromkeys((name, without_orig_mod(name), tail))
         )
     close = set(difflib.get_close_matches(pattern, list(scored), n=n, cutoff=0.6))
     close |= {name for name, score in scored.items() if score >= 0.6}
     best = max((scored[name] for name in close), default=0.0)
     close = {name for name in close if scored[name] >= best - 0.15}  # not the also-rans of a clear winner
     return sorted(close, key=lambda name: (-scored[name], name))[:n]
-
-
-def _without_orig_mod(name: str) -> str:
-    """``name`` without the ``_orig_mod`` components that ``torch.compile``'s wrapper adds to module names."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def unmatched_pattern_hint(
@@ -206,7 +201,7 @@ def unmatched_pattern_hint(
             f"match each layer by its own fully-qualified name, so use {pattern + '.*'!r} for the layers inside"
         )
     compiled = [
-        name for name in layer_names if "_orig_mod" in name and fnmatch.fnmatchcase(_without_orig_mod(name), pattern)
+        name for name in layer_names if "_orig_mod" in name and fnmatch.fnmatchcase(without_orig_mod(name), pattern)
     ]
     if compiled:
         hints.append(

@@ -580,6 +580,12 @@ def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def without_orig_mod(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components that ``torch.compile``'s wrapper adds to module names (a model or
+    a block compiled and put back in its model): the name the layer has in the same model uncompiled."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
     """All modules of ``model`` that carry FP8 state, keyed by qualified name."""
     return dict(fp8_layers(model))
@@ -766,7 +772,9 @@ def _with_amax_bins(table: dict[str, Any]) -> dict[str, Any]:
 def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = True, counters: bool = True) -> None:
     """Import a state made by :func:`fp8_state_dict` (or by lightning-fp8 0.1) into ``model``'s FP8 layers.
 
-    Layers are matched by qualified name. A constant number of tensor operations per table.
+    Layers are matched by qualified name, without the ``_orig_mod`` components ``torch.compile`` inserts (as torch's
+    distributed checkpoint helpers match the weights), so a state saved compiled loads into the model uncompiled and
+    back. A constant number of tensor operations per table.
 
     Args:
         model: the model whose FP8 layers receive the state.
@@ -783,8 +791,8 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = 
             sets of FP8 layers differ. Nothing is changed when it raises.
     """
     state = _upgrade(state)
-    current = {name: module.fp8_state for name, module in fp8_layers(model)}
-    saved_names = [name for table in state["tables"] for name in table["layers"]]
+    current = {without_orig_mod(name): module.fp8_state for name, module in fp8_layers(model)}
+    saved_names = [without_orig_mod(name) for table in state["tables"] for name in table["layers"]]
     if strict:
         missing = sorted(set(current) - set(saved_names))
         unexpected = sorted(set(saved_names) - set(current))
@@ -804,7 +812,7 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = 
         recipe = FP8Recipe.from_dict(saved["recipe"])
         targets: dict[int, tuple[FP8StateTable, list[int], list[int]]] = {}
         for row, name in enumerate(saved["layers"]):
-            ref = current.get(name)
+            ref = current.get(without_orig_mod(name))
             if ref is None:
                 continue
             if ref.table.recipe != recipe:

@@ -185,6 +185,39 @@ def test_a_layer_replaced_by_its_compiled_wrapper_is_one_layer():
     assert [name for name, _ in lf.state.fp8_layers(model)] == ["0._orig_mod", "2"]
 
 
+def test_fp8_state_moves_between_a_compiled_and_an_eager_model():
+    """A run resumed with ``torch.compile`` switched on or off: the compiled model's layer names carry ``_orig_mod``
+    (a block compiled on its own, or the whole model). The FP8 state loads across, matched by the names without it,
+    as torch's distributed checkpoint helpers match the weights (before: strict loading failed with "missing",
+    "unexpected" and advice about ``exclude`` patterns)."""
+
+    def model():
+        torch.manual_seed(0)
+        fp8 = nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)), nn.Linear(16, 16))
+        lf.convert_to_fp8(fp8, recipe="delayed", log_summary=False)
+        return fp8
+
+    eager = model()
+    with lf.fp8_autocast():
+        eager(torch.randn(4, 16)).sum().backward()
+    saved = lf.fp8_state_dict(eager)
+    assert saved["tables"][0]["layers"] == ["0.0", "0.1", "1"]
+    block = model()
+    block[0] = torch.compile(block[0])
+    whole = torch.compile(model())
+    for compiled, names in ((block, ["0._orig_mod.0", "0._orig_mod.1", "1"]), (whole, ["_orig_mod.0.0", "_orig_mod.0.1", "_orig_mod.1"])):
+        lf.load_fp8_state_dict(compiled, saved)
+        state = lf.fp8_state_dict(compiled)
+        assert state["tables"][0]["layers"] == names
+        assert torch.equal(state["tables"][0]["amax_history"], saved["tables"][0]["amax_history"])
+        back = model()
+        lf.load_fp8_state_dict(back, state)
+        assert torch.equal(lf.fp8_state_dict(back)["tables"][0]["scale"], saved["tables"][0]["scale"])
+    with pytest.raises(ValueError, match=r"missing \['1'\]"):  # names still have to match, without _orig_mod
+        lf.load_fp8_state_dict(model(), {
+            **saved, "tables": [{**saved["tables"][0], "layers": ["0.0", "0.1", "2"]}]})
+
+
 def test_load_fp8_state_dict_recipe_mismatch():
     state = lf.fp8_state_dict(_model("delayed"))
     for other in ("tensorwise", FP8Recipe(name="delayed", margin=1), FP8Recipe(name="delayed", amax_history_len=4)):
