@@ -469,6 +469,21 @@ def test_fsdp2_blocks_compiled_by_inductor_match_eager_bitwise_on_two_ranks(gloo
         assert result["equal"] and result["compared"] == 3 * (2 + 4) + 1, (recipe, result)
 
 
+@pytest.mark.gloo("fsdp2_train/delayed/compiled")
+def test_trainer_fsdp2_blocks_compiled_in_configure_model_compile_once(gloo_runs):
+    """Through the Trainer (``ModelParallelStrategy``, 2 ranks, ``delayed``, FP8 all-gather): each block compiled in
+    ``configure_model`` after ``fully_shard``, two micro-batches per optimizer step, 4 steps. One graph for the whole
+    run (the blocks share it; before the fix a graph per step: 7 in 4 steps, then torch's recompile limit), and the
+    losses and amax histories are those of the same run eager, bit for bit (``aot_eager``)."""
+    result = load(gloo_runs.folder("fsdp2_train/delayed/compiled") / "compiled.pt")
+    assert result["graphs"] == 1
+    assert len(result["eager"]["losses"]) == 8 and result["compiled"]["losses"] == result["eager"]["losses"]
+    eager, compiled = (per_layer(result[run]["fp8"]) for run in ("eager", "compiled"))
+    assert list(compiled) == [name.replace("blocks.0.", "blocks.0._orig_mod.").replace("blocks.1.", "blocks.1._orig_mod.") for name in eager]
+    for (_, a), (_, b) in zip(eager.items(), compiled.items()):
+        assert torch.equal(a["amax_history"], b["amax_history"]) and torch.equal(a["scale"], b["scale"])
+
+
 def test_fsdp1_strategies_refuse_the_plugin():
     """Lightning's FSDP (FSDP1) strategies accept only their own FSDPPrecision: the TypeError the docs quote (on a CPU,
     Lightning refuses strategy="fsdp" even earlier, for the accelerator)."""

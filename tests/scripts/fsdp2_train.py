@@ -12,6 +12,9 @@ Usage: fsdp2_train.py OUT_DIR RECIPE MODE, MODE one of
   errors     2 processes: a model sharded before conversion (configure_model without prepare_for_sharding) must stop
              the fit with a clear error; torch's plain ColwiseParallel on prepared layers trains, and warns that those
              weights gather in high precision;
+  compiled   2 processes, float32 parameters, each block compiled in configure_model after fully_shard (``aot_eager``,
+             ``fullgraph=True``), two micro-batches per optimizer step (``accumulate_grad_batches=2``), 2 epochs: the
+             number of graphs compiled and the losses and amax histories, against the same run eager;
   bytes      2 processes, one training step each of two runs that gather the parameters FSDP2 does not gather in FP8 in
              bf16 (MixedPrecisionPolicy(param_dtype=bfloat16)): FP8 all-gather, and the same FP8 layers with every
              weight gathered in bf16. Bytes moved by FSDP2's parameter all-gathers per step (forward and backward).
@@ -43,10 +46,10 @@ DIM = 128  # Linear weights are ~92% of the parameters (torchao's FP8 all-gather
 
 
 class ShardedDecoder(TinyDecoder):
-    def __init__(self, fp8_all_gather: bool = True, param_dtype: torch.dtype | None = None, prepare: bool = True, torch_styles: bool = False) -> None:
+    def __init__(self, fp8_all_gather: bool = True, param_dtype: torch.dtype | None = None, prepare: bool = True, torch_styles: bool = False, compile_backend=None) -> None:
         super().__init__(dim=DIM, heads=4, layers=2)
         self.fp8_all_gather, self.param_dtype = fp8_all_gather, param_dtype
-        self.prepare, self.torch_styles = prepare, torch_styles
+        self.prepare, self.torch_styles, self.compile_backend = prepare, torch_styles, compile_backend
 
     def configure_model(self):
         if self.device_mesh is None or isinstance(self, FSDPModule):  # one process: nothing to shard; sharded already
@@ -65,6 +68,9 @@ class ShardedDecoder(TinyDecoder):
         for block in self.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(self, mesh=mesh, mp_policy=policy)
+        if self.compile_backend is not None:  # each sharded block on its own (torchtitan's way)
+            for index, block in enumerate(self.blocks):
+                self.blocks[index] = torch.compile(block, backend=self.compile_backend, fullgraph=True)
 
     def validation_step(self, batch, batch_idx):
         return self.loss(batch)
@@ -190,6 +196,19 @@ def main(out_dir, recipe, mode):
         result["torch_styles_losses"] = record.losses
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(out_dir, "errors.pt"))
+    elif mode == "compiled":
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        backend = CompileCounterWithBackend("aot_eager")
+        result = {}
+        for name, compiled in (("eager", False), ("compiled", True)):
+            record = Record()
+            model = fresh(0, compile_backend=backend if compiled else None)
+            trainer(out_dir, recipe, 2, record, 2, accumulate_grad_batches=2).fit(model)
+            result[name] = {"losses": record.losses, "fp8": lf.fp8_state_dict(model)}
+        result["graphs"] = backend.frame_count
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out_dir, "compiled.pt"))
     elif mode == "bytes":
         gathered = {}
         for fp8_all_gather in (True, False):
