@@ -92,7 +92,7 @@ from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss
 from lightning_fp8.module import FP8Module
 from lightning_fp8.recipe import FP8Recipe, RecipeName
 from lightning_fp8.region import fp8_region
-from lightning_fp8.state import FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables
+from lightning_fp8.state import FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables, without_orig_mod
 
 log = logging.getLogger(__name__)
 
@@ -874,6 +874,11 @@ class FP8PrecisionBase(Precision):
             reshard_fsdp_modules(model)  # the scales before the restore: gather them again at the next forward
         kept = state_dict.get("high_precision_layers") or {}
         if kept:
+            # by the set-up models' own names: a run resumed with torch.compile switched on or off names its layers
+            # with or without `_orig_mod` (the FP8 state is matched the same way); a compiled layer's wrapper and the
+            # layer share a name without it, and the layer comes last (`<name>._orig_mod`)
+            current = {without_orig_mod(n): n for model in self.fp8_models for n, _ in model.named_modules()}
+            kept = {current.get(without_orig_mod(name), name): reason for name, reason in kept.items()}
             self.high_precision_layers.update(kept)
             self._switch_pending = True
             for name in self._switch_kept_layers():

@@ -445,3 +445,33 @@ def test_modules_of_version_0_1_are_deprecated_aliases():
         with pytest.warns(DeprecationWarning, match=name.replace(".", r"\.")):
             module = importlib.import_module(name)
         assert getattr(module, attr) is target
+
+
+def test_a_layer_kept_in_high_precision_stays_so_when_resumed_with_compile_toggled():
+    """A layer switched to high precision by name in a run compiled block by block (its name carries ``_orig_mod``),
+    resumed uncompiled: the plugin switches the same layer and its FP8 state loads (before: the saved name matched no
+    layer, the layer stayed in FP8 and loading failed with "missing ['0']")."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+
+    compiled, plugin = model(), lf.fabric.FP8Precision(recipe="delayed")
+    plugin.convert_module(compiled)
+    compiled[0] = torch.compile(compiled[0], backend="eager")
+    with plugin.forward_context():
+        compiled(torch.randn(4, 16)).sum().backward()
+    plugin.keep_in_high_precision("0._orig_mod", "sensitive")
+    assert type(compiled[0]._orig_mod) is nn.Linear
+    state = plugin.state_dict()
+    plain, plugin2 = model(), lf.fabric.FP8Precision(recipe="delayed")
+    plugin2.convert_module(plain)
+    plugin2.load_state_dict(state)
+    assert type(plain[0]) is nn.Linear and isinstance(plain[1], FP8Linear)
+    assert plugin2.high_precision_layers == {"0": "sensitive"}
+    assert torch.equal(lf.fp8_state_dict(plain)["tables"][0]["amax_history"], state["models"][0]["tables"][0]["amax_history"])
+    again, plugin3 = model(), lf.fabric.FP8Precision(recipe="delayed")  # and back into a compiled block
+    plugin3.convert_module(again)
+    again[0] = torch.compile(again[0], backend="eager")
+    plugin3.load_state_dict(plugin2.state_dict())
+    assert type(again[0]._orig_mod) is nn.Linear and plugin3.high_precision_layers == {"0._orig_mod": "sensitive"}
