@@ -419,8 +419,10 @@ def reshard_fsdp_modules(module: nn.Module) -> None:
 
 def fp8_all_gather_weights(module: nn.Module) -> list[FP8ShardedWeight]:
     """The local :class:`FP8ShardedWeight` shards of ``module``'s layers (``[]`` when none gathers in FP8), those of
-    layers switched back to high precision included (their weights still gather in FP8)."""
-    return [w for m in module.modules() if (w := fp8_all_gather_shard(m)) is not None]
+    layers switched back to high precision included (their weights still gather in FP8); each once (a layer's
+    ``torch.compile`` wrapper forwards ``weight`` to the layer)."""
+    shards = {id(w): w for m in module.modules() if (w := fp8_all_gather_shard(m)) is not None}
+    return list(shards.values())
 
 
 #: Moves at every optimizer step that updates FP8 all-gather weights (:func:`_after_optimizer_step`), the plugin's or

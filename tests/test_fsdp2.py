@@ -1143,6 +1143,19 @@ def test_weights_may_have_changed_on_all_ranks_refreshes_the_gather_scales(recip
         assert torch.equal(a, b)
 
 
+def test_a_compiled_sharded_layer_is_one_fp8_all_gather_weight(one_rank_group):
+    """A sharded FP8 layer replaced by its compiled wrapper (``model[0] = torch.compile(model[0])``) is one FP8
+    all-gather weight, not two: the wrapper forwards attribute reads to the layer, so its ``weight`` was taken for a
+    second shard, and the shared gather scales' all-reduce read each such shard twice."""
+    from lightning_fp8.distributed import fp8_all_gather_weights
+
+    (model, _), _ = _twin_models("tensorwise")
+    before = fp8_all_gather_weights(model)
+    model[0] = torch.compile(model[0], backend="eager")
+    after = fp8_all_gather_weights(model)
+    assert len(before) == 2 and [id(w) for w in after] == [id(w) for w in before]
+
+
 @pytest.mark.parametrize("recipe", ["delayed"])  # tensorwise: on 2 ranks below
 def test_fsdp2_blocks_compiled_with_fp8_all_gather_never_recompile(recipe, one_rank_group):
     """FSDP2 with FP8 all-gather, each sharded child compiled (torchtitan's way), two micro-batches per optimizer step
