@@ -216,3 +216,29 @@ def test_compiled_roundings_leave_the_cpu_kernels_vectorized(recipe, dtype):
     assert "bit_cast<int16_t>" not in code, "a 16-bit integer view: its loop runs scalar"
     scalar = re.findall(r"c10::convert<at::Float8_e\w+>\(", code)
     assert not scalar, f"{len(scalar)} FP8 conversions in scalar loops"
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_block_recipes_behind_an_activation_compile_and_match_eager_bitwise(recipe):
+    """A float32 model under bf16 autocast with an activation between two block-recipe layers: the second layer's
+    input is the activation's output rounded to bfloat16 (in 32-bit integers on a CPU), which inductor fused into
+    the layer's tile casts; its C++ code generation then failed (``InductorError: AssertionError`` in its loop
+    split). Compiled, the step runs and equals eager bit for bit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))  # smaller shapes compiled before
+    lf.convert_to_fp8(eager, recipe=recipe, log_summary=False)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (eager, compiled):
+        xx = x.clone().requires_grad_()
+        with lf.fp8_autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(xx)
+        out.float().square().sum().backward()
+        results.append((out, xx.grad, [p.grad for p in model.parameters()]))
+    (a, dx_a, grads_a), (b, dx_b, grads_b) = results
+    assert torch.equal(a, b) and torch.equal(dx_a, dx_b)
+    for (name, _), ga, gb in zip(eager.named_parameters(), grads_a, grads_b):
+        assert torch.equal(ga, gb), name
