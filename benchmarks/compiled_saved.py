@@ -51,7 +51,7 @@ import bench_llama  # noqa: E402
 import docs_tables  # noqa: E402
 import harness  # noqa: E402
 
-from lightning_fp8 import gemm, recipe  # noqa: E402
+from lightning_fp8 import gemm  # noqa: E402
 
 KINDS = ("bf16", "torchao-tensorwise", "torchao-rowwise", "ours-tensorwise", "ours-rowwise", "ours-delayed")
 DEFAULT_JSON = os.path.join(bench_llama.HERE, "results", "compiled_saved.json")
@@ -59,16 +59,14 @@ DEFAULT_JSON = os.path.join(bench_llama.HERE, "results", "compiled_saved.json")
 
 @contextlib.contextmanager
 def gpu_gemm_path() -> Iterator[None]:
-    """Ours and torchao's variants take the GPU's GEMM path (``torch._scaled_mm``) on this CPU, and ours rounds to
-    bfloat16 as it does on a GPU (``recipe.rounds_in_32_bit_integers``): the graph the partitioner sees is the GPU's."""
-    saved = gemm.gemm_path, bench_llama.fp8_hardware, recipe.rounds_in_32_bit_integers
+    """Ours and torchao's variants take the GPU's GEMM path (``torch._scaled_mm``) on this CPU."""
+    saved = gemm.gemm_path, bench_llama.fp8_hardware
     gemm.gemm_path = lambda *args, **kwargs: "native"
     bench_llama.fp8_hardware = lambda device: True  # torchao: emulate=False
-    recipe.rounds_in_32_bit_integers = lambda device: False
     try:
         yield
     finally:
-        gemm.gemm_path, bench_llama.fp8_hardware, recipe.rounds_in_32_bit_integers = saved
+        gemm.gemm_path, bench_llama.fp8_hardware = saved
 
 
 def measure(kind: str, base: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:

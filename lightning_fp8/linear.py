@@ -53,7 +53,6 @@ from lightning_fp8.module import FP8Module
 from lightning_fp8.quantize import Quantized, quantize
 from lightning_fp8.recipe import (
     E4M3, E5M2, GRAD_OUTPUT, INPUT, SIXTEEN_BIT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs, rounded_to,
-    rounds_in_32_bit_integers, stored,
 )
 from lightning_fp8.region import ForwardDecision, decide, in_recomputation
 from lightning_fp8.state import FP8StateTable
@@ -666,10 +665,6 @@ class FP8Linear(FP8Module, nn.Linear):
             # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
             x2d = rounded_to(x2d, out_dtype)
-            if specs.forward[0].granularity == "block" and rounds_in_32_bit_integers(x2d.device):
-                # in a buffer of its own: inductor's C++ code generation failed (an AssertionError in its loop split,
-                # torch 2.13) when the rounding of a fused activation's output joined a block recipe's tile casts
-                x2d = stored(x2d)
         x2d = x2d.contiguous()
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
         # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an

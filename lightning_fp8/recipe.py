@@ -482,55 +482,24 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Compiled on a machine without FP8 GEMMs, a step gave other numbers than the same step run eagerly, for every
     recipe (one ``FP8Linear`` in float32 with ``rowwise``, whose GEMM outputs bfloat16: outputs apart by up to 0.004,
     weight gradients by 0.85, from the first step; in bfloat16 or float16, every recipe). Compiling, the converted
-    value goes through its bits, which inductor cannot skip: for Triton (CUDA) viewed as ``int16``, OR-ed with zero
-    (an integer operation, which only the rounded 16 bits can feed) and viewed back; for inductor's C++ code (a CPU)
-    rounded to bfloat16 in 32-bit integer arithmetic on the float32 bits, which the C++ backend vectorizes where it
-    cannot vectorize a 16-bit integer (see :func:`_through_bits`). ``tests/test_compiled_rounding.py`` checks the
-    compiled result against ``.to`` on every float32 class, so a torch that folded the OR away would fail it, and
-    that the CPU code stays vectorized. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as
-    a ``DTensor``) this is ``x.to(dtype)``.
+    value goes through its bits: viewed as ``int16``, OR-ed with zero (an integer operation, which only the rounded
+    16 bits can feed) and viewed back, so that the consumer reads the rounded value (on this CPU about a third of the
+    cost of a separate rounding in integer arithmetic on the float32 bits). ``tests/test_compiled_rounding.py``
+    checks the compiled result against ``.to`` on every float32 class, so a torch that folded the OR away would fail
+    it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass such as a ``DTensor``) this is
+    ``x.to(dtype)``.
     """
     direct = x.dtype not in (torch.float32, dtype) or dtype not in SIXTEEN_BIT or type(x) not in _PLAIN
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
         return _RoundedThroughBits.apply(x, dtype)
-    return _through_bits(x, dtype)
+    return _through_bits(x.to(dtype))
 
 
-def _through_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)`` (bfloat16 or float16) as read from its bits: see :func:`rounded_to`.
-
-    Two formulations of the same rounding, one per code generator. Triton (CUDA) views the converted 16 bits as an
-    integer, which is free there. Inductor's C++ backend (a CPU) cannot vectorize a 16-bit integer: a loop with one
-    ran scalar and so did everything fused into it (the casts' amax reductions and conversions; a compiled
-    ``rowwise`` layer's step took about a third longer than torchao's for that alone). There a bfloat16 rounding is
-    computed on the float32 bits in 32-bit integers, as ``c10``'s conversion computes it (round to nearest even; a
-    NaN becomes the quiet NaN ``0x7FC0``, replaced before the addition, which would overflow), and the rounded
-    float32 value, exact in bfloat16, is converted. float16 keeps the 16-bit view everywhere.
-    """
-    if dtype is torch.bfloat16 and rounds_in_32_bit_integers(x.device):
-        bits = x.to(torch.float32).view(torch.int32)
-        magnitude = bits & 0x7FFFFFFF
-        nan = magnitude > _FLOAT32_INF_BITS
-        magnitude = torch.where(nan, 0, magnitude)
-        rounded = ((magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & _BFLOAT16_BITS) | (bits & _FLOAT32_SIGN_BIT)
-        return torch.where(nan, _BFLOAT16_NAN_BITS, rounded).view(torch.float32).to(dtype)
-    y = x.to(dtype)
-    return (y.view(torch.int16) | 0).view(dtype)
-
-
-def rounds_in_32_bit_integers(device: torch.device) -> bool:
-    """Whether :func:`rounded_to`, compiled for ``device``, rounds to bfloat16 in 32-bit integers (inductor's C++
-    code, a CPU) rather than through a 16-bit integer view (Triton); see :func:`_through_bits`."""
-    return device.type == "cpu"
-
-
-#: bit masks of a float32 seen as an int32: +inf, the sign bit, the 16 high bits (a bfloat16's), bfloat16's NaN
-_FLOAT32_INF_BITS = 0x7F800000
-_FLOAT32_SIGN_BIT = -(1 << 31)
-_BFLOAT16_BITS = -(1 << 16)
-_BFLOAT16_NAN_BITS = 0x7FC00000
+def _through_bits(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (bfloat16 or float16) as read from its own 16 bits: see :func:`rounded_to`."""
+    return (y.view(torch.int16) | 0).view(y.dtype)
 
 
 class _RoundedThroughBits(torch.autograd.Function):
@@ -540,12 +509,12 @@ class _RoundedThroughBits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
         ctx.x_dtype = x.dtype
-        return _through_bits(x, dtype)
+        return _through_bits(x.to(dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         # the incoming gradient as eager has it, rounded (a bias's: a 16-bit sum over the tokens, which inductor
         # would otherwise upcast unrounded)
         if grad.dtype in SIXTEEN_BIT:
-            grad = _through_bits(grad, grad.dtype)
+            grad = _through_bits(grad)
         return grad.to(ctx.x_dtype), None
