@@ -111,6 +111,18 @@ def test_one_fp8_layer_compiled_by_inductor_matches_eager_bitwise(recipe, dtype,
         assert torch.equal(a, b), name
 
 
+def _autocast_steps(models, x):
+    """One bf16-autocast training step of each model on the same input: (output, input gradient, parameter grads)."""
+    results = []
+    for model in models:
+        xx = x.clone().requires_grad_()
+        with lf.fp8_autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(xx)
+        out.float().square().sum().backward()
+        results.append((out, xx.grad, [p.grad for p in model.parameters()]))
+    return results
+
+
 def test_stacked_fp8_layers_with_bias_compiled_match_eager_bitwise():
     """The next FP8 layer's cast reads this layer's output rounded to its dtype, bias included (compiled, the bias
     add fused with the next cast's amax and scaling skipped that rounding: outputs apart by 0.012, the first weight's
@@ -122,14 +134,7 @@ def test_stacked_fp8_layers_with_bias_compiled_match_eager_bitwise():
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True)
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
-    results = []
-    for model in (eager, compiled):
-        xx = x.clone().requires_grad_()
-        with lf.fp8_autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(xx)
-        out.float().square().sum().backward()
-        results.append((out, xx.grad, [p.grad for p in model.parameters()]))
-    (a, dx_a, grads_a), (b, dx_b, grads_b) = results
+    (a, dx_a, grads_a), (b, dx_b, grads_b) = _autocast_steps((eager, compiled), x)
     assert torch.equal(a, b), (a.float() - b.float()).abs().max()
     assert torch.equal(dx_a, dx_b)
     for (name, _), ga, gb in zip(eager.named_parameters(), grads_a, grads_b):
@@ -199,14 +204,7 @@ def test_block_recipes_behind_an_activation_compile_and_match_eager_bitwise(reci
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True)
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
-    results = []
-    for model in (eager, compiled):
-        xx = x.clone().requires_grad_()
-        with lf.fp8_autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(xx)
-        out.float().square().sum().backward()
-        results.append((out, xx.grad, [p.grad for p in model.parameters()]))
-    (a, dx_a, grads_a), (b, dx_b, grads_b) = results
+    (a, dx_a, grads_a), (b, dx_b, grads_b) = _autocast_steps((eager, compiled), x)
     assert torch.equal(a, b)
     # the second layer's gradients; the first layer's and the input's pass through GELU's backward, which inductor
     # computes a little differently from eager (not this package's rounding)
