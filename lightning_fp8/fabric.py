@@ -92,7 +92,9 @@ from lightning_fp8.loss_scaling import LossScaler, LossScalingMode, resolve_loss
 from lightning_fp8.module import FP8Module
 from lightning_fp8.recipe import FP8Recipe, RecipeName
 from lightning_fp8.region import fp8_region
-from lightning_fp8.state import FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables, without_orig_mod
+from lightning_fp8.state import (
+    FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables, without_orig_mod,
+)
 
 log = logging.getLogger(__name__)
 

@@ -123,6 +123,15 @@ def _autocast_steps(models, x):
     return results
 
 
+def _assert_same_step(step, eager, results):
+    """Two models' :func:`_autocast_steps` results equal bit for bit: output, input gradient, parameter gradients."""
+    (a, dx_a, grads_a), (b, dx_b, grads_b) = results
+    assert torch.equal(a, b), f"step {step} output: {(a.float() - b.float()).abs().max()}"
+    assert torch.equal(dx_a, dx_b), f"step {step} input gradient"
+    for (name, _), ga, gb in zip(eager.named_parameters(), grads_a, grads_b):
+        assert torch.equal(ga, gb), f"step {step} {name}: {(ga - gb).abs().max()}"
+
+
 def test_stacked_fp8_layers_with_bias_compiled_match_eager_bitwise():
     """The next FP8 layer's cast reads this layer's output rounded to its dtype, bias included (compiled, the bias
     add fused with the next cast's amax and scaling skipped that rounding: outputs apart by 0.012, the first weight's
@@ -134,11 +143,7 @@ def test_stacked_fp8_layers_with_bias_compiled_match_eager_bitwise():
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True)
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
-    (a, dx_a, grads_a), (b, dx_b, grads_b) = _autocast_steps((eager, compiled), x)
-    assert torch.equal(a, b), (a.float() - b.float()).abs().max()
-    assert torch.equal(dx_a, dx_b)
-    for (name, _), ga, gb in zip(eager.named_parameters(), grads_a, grads_b):
-        assert torch.equal(ga, gb), name
+    _assert_same_step(0, eager, _autocast_steps((eager, compiled), x))
 
 
 def test_tensor_parallel_row_wise_bias_compiled_matches_eager_bitwise(one_rank_group):
@@ -179,11 +184,7 @@ def test_tensor_parallel_row_wise_bias_compiled_matches_eager_bitwise(one_rank_g
                 out = full(model(xx))
             out.float().square().sum().backward()
             results.append((out, xx.grad, [full(p.grad) for p in model.parameters()]))
-        (a, dx_a, grads_a), (b, dx_b, grads_b) = results
-        assert torch.equal(a, b), f"step {step} output: {(a.float() - b.float()).abs().max()}"
-        assert torch.equal(dx_a, dx_b), f"step {step} input gradient"
-        for (name, _), ga, gb in zip(eager.named_parameters(), grads_a, grads_b):
-            assert torch.equal(ga, gb), f"step {step} {name}: {(ga - gb).abs().max()}"
+        _assert_same_step(step, eager, results)
         eager.zero_grad()
         compiled_model.zero_grad()
 
@@ -232,17 +233,9 @@ def test_mxfp8_layers_with_bias_compiled_count_as_eager(tokens):
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
         x = torch.randn(tokens, 96, generator=gen) * (1 + 3 * step)
-        results = []
-        for model in (eager, compiled):
-            with lf.fp8_autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(x)
-            out.float().square().sum().backward()
-            results.append((out, [p.grad.clone() for p in model.parameters()]))
-            model.zero_grad()
-        (a, grads_a), (b, grads_b) = results
-        assert torch.equal(a, b), f"step {step} output"
-        for (name, _), ga, gb in zip(eager.named_parameters(), grads_a, grads_b):
-            assert torch.equal(ga, gb), f"step {step} {name}"
+        _assert_same_step(step, eager, _autocast_steps((eager, compiled), x))
+        eager.zero_grad()
+        compiled_model.zero_grad()
         state_a, state_b = lf.fp8_state_dict(eager)["tables"], lf.fp8_state_dict(compiled_model)["tables"]
         assert len(state_a) == len(state_b) > 0
         for table_a, table_b in zip(state_a, state_b):
