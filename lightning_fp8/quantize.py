@@ -43,7 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_fp8.recipe import GRAD_OUTPUT, CastSpec, amax_to_scale, fp8_max
+from lightning_fp8.recipe import GRAD_OUTPUT, CastSpec, amax_to_scale, fp8_max, inductor_cpp_backend, stored
 from lightning_fp8.triton_cast import (
     history_cast_supported,
     triton_block_cast,
@@ -450,7 +450,13 @@ def _quantize_reference(
                 # delayed's forward chain past the partitioner's recompute limit (tests/test_compiled_saved_casts.py)
                 history = (history_scale, history_ready)
     if spec.granularity == "block":
-        data, counts = _cast_blocks(x, scale, spec, statistics and counters, overflow_free)
+        # compiled for a CPU, from a buffer of its own: inductor's C++ loop split (torch 2.13) rounds a dimension
+        # indexed by ``i // block`` down to a multiple of the block in a kernel of pointwise nodes only, and so
+        # drops a partial block's last elements, silently (tests/test_compiled_rounding.py). From a stored input,
+        # the cast's per-element nodes stay small enough to join the kernels of its reductions (amax, counts),
+        # where no split is tried; from the producer's chain inlined (a rounding, an activation), they did not
+        x_cast = stored(x) if inductor_cpp_backend(x.device.type) else x
+        data, counts = _cast_blocks(x_cast, scale, spec, statistics and counters, overflow_free)
         return Quantized(data, scale, _block_stats(x, amax, scale, counts) if statistics else None, spec.block)
     if statistics and (counters or use_triton(x)):
         # on CUDA eager the fused Triton cast counts in the same pass (at no cost worth a second path): dropped there
