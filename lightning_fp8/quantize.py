@@ -43,7 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_fp8.recipe import GRAD_OUTPUT, CastSpec, amax_to_scale, fp8_max, inductor_cpp_backend, stored
+from lightning_fp8.recipe import GRAD_OUTPUT, CastSpec, amax_to_scale, fp8_max, stored
 from lightning_fp8.triton_cast import (
     history_cast_supported,
     triton_block_cast,
@@ -233,19 +233,25 @@ def _cast_statistics_eager(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_f
     return torch.stack([nonzero, overflow, nonzero - torch.count_nonzero(x * magnitude)])
 
 
-def _cast_statistics_from_values(x: Tensor, x_scaled: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+def _cast_statistics_from_values(
+    x: Tensor, x_scaled: Tensor, fp8_dtype: torch.dtype, inside: Tensor | None = None
+) -> Tensor:
     """:func:`cast_statistics` from the float32 ``x_scaled`` alone (the same counts), for ``torch.compile``: the cast,
     the amax and the counts fuse into one loop that reads ``x`` once, and inductor vectorises comparisons of float
     values but reads FP8 bytes one element at a time. Underflow: ``x != 0`` and ``|x * scale| <=`` half the format's
     smallest subnormal (:data:`_ZERO_BOUND`), the values that round to ±0. Counted in int32 (half the vector width of
-    int64) below 2**31 elements."""
+    int64) below 2**31 elements. ``inside`` (broadcast to ``x``): the elements that count as overflows, where ``x``
+    holds zero padding (see :func:`_cast_blocks_compiled`)."""
     magnitude = x_scaled.abs()
     nonzero = x != 0
+    overflow = ~(magnitude <= fp8_max(fp8_dtype))
+    if inside is not None:
+        overflow = overflow & inside
     count = torch.int32 if x.numel() < 2**31 else torch.int64
     return torch.stack(
         [
             nonzero.sum(dtype=count),
-            (~(magnitude <= fp8_max(fp8_dtype))).sum(dtype=count),
+            overflow.sum(dtype=count),
             (nonzero & (magnitude <= _zero_bound(fp8_dtype))).sum(dtype=count),
         ]
     ).to(torch.int64)
@@ -351,9 +357,41 @@ def _cast_blocks(
     xb = blocked(x, spec.block)
     rows, cols = x.shape
     x_scaled = xb.to(torch.float32) * scale[:, None, :, None]
+    if torch.compiler.is_compiling():
+        return _cast_blocks_compiled(xb, x_scaled, rows, cols, spec.dtype, statistics)
     x_scaled = x_scaled.reshape(xb.shape[0] * xb.shape[1], xb.shape[2] * xb.shape[3])[:rows, :cols]  # no padding
     data = saturated_cast(x_scaled, spec.dtype)
     return data, cast_statistics(x, x_scaled, data, overflow_free) if statistics else None
+
+
+def _cast_blocks_compiled(
+    xb: Tensor, x_scaled: Tensor, rows: int, cols: int, fp8_dtype: torch.dtype, statistics: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`_cast_blocks` under ``torch.compile``: the cast and its counts computed in the blocked layout
+    ``(ceil(R / bm), bm, ceil(C / bn), bn)``, stored, and only then viewed as ``(R, C)`` (copied when a partial block
+    was padded). The same bits and counts as eagerly.
+
+    Why: computed over ``(R, C)`` directly, each element reads its block's scale at ``(i // bm, j // bn)``, and
+    inductor's C++ loop split (torch 2.13) splits such a loop at the block size and rounds the dimension down to a
+    multiple of it: a partial block's last elements were never written, no error (FP8 data, underflow masks;
+    ``tests/test_compiled_rounding.py`` reproduces it in plain torch). In the blocked layout every index is a plain
+    one; the copy of the padded data reads a stored buffer. The padding is left out of the counts: it is zero, so
+    it is neither non-zero nor an underflow, and the overflows are counted inside ``(R, C)`` only (a NaN block scale
+    turns the padding into NaN)."""
+    data = stored(saturated_cast(x_scaled, fp8_dtype))
+    padded_rows, padded_cols = data.shape[0] * data.shape[1], data.shape[2] * data.shape[3]
+    data = data.reshape(padded_rows, padded_cols)
+    if (padded_rows, padded_cols) != (rows, cols):
+        data = data[:rows, :cols].contiguous()
+    if not statistics:
+        return data, None
+    inside = None
+    if (padded_rows, padded_cols) != (rows, cols):
+        bm, bn = xb.shape[1], xb.shape[3]
+        row = torch.arange(xb.shape[0], device=xb.device)[:, None] * bm + torch.arange(bm, device=xb.device)
+        col = torch.arange(xb.shape[2], device=xb.device)[:, None] * bn + torch.arange(bn, device=xb.device)
+        inside = (row < rows)[:, :, None, None] & (col < cols)[None, None]
+    return data, _cast_statistics_from_values(xb, x_scaled, fp8_dtype, inside)
 
 
 def _quantize_blocks_fused(x: Tensor, spec: CastSpec, statistics: bool, counters: bool) -> Quantized:
@@ -450,13 +488,7 @@ def _quantize_reference(
                 # delayed's forward chain past the partitioner's recompute limit (tests/test_compiled_saved_casts.py)
                 history = (history_scale, history_ready)
     if spec.granularity == "block":
-        # compiled for a CPU, from a buffer of its own: inductor's C++ loop split (torch 2.13) rounds a dimension
-        # indexed by ``i // block`` down to a multiple of the block in a kernel of pointwise nodes only, and so
-        # drops a partial block's last elements, silently (tests/test_compiled_rounding.py). From a stored input,
-        # the cast's per-element nodes stay small enough to join the kernels of its reductions (amax, counts),
-        # where no split is tried; from the producer's chain inlined (a rounding, an activation), they did not
-        x_cast = stored(x) if inductor_cpp_backend(x.device.type) else x
-        data, counts = _cast_blocks(x_cast, scale, spec, statistics and counters, overflow_free)
+        data, counts = _cast_blocks(x, scale, spec, statistics and counters, overflow_free)
         return Quantized(data, scale, _block_stats(x, amax, scale, counts) if statistics else None, spec.block)
     if statistics and (counters or use_triton(x)):
         # on CUDA eager the fused Triton cast counts in the same pass (at no cost worth a second path): dropped there
