@@ -332,8 +332,8 @@ def test_block_casts_with_partial_blocks_compiled_match_eager(recipe, which, row
 def test_block_recipes_with_partial_blocks_compiled_match_eager_bitwise(recipe):
     """Partial blocks in every dimension (9 tokens; 208, 144 and 80 features: not multiples of 32 or 128) under bf16
     autocast, two training steps and an evaluation forward: compiled by inductor, the outputs, gradients and the FP8
-    state (counters included) equal eager's bit for bit. The loop split above once dropped the last columns of a
-    compiled cast's underflow mask here (``mxfp8``: counters off by 20 to 24), silently."""
+    state (counters included) equal eager's bit for bit. With the block casts computed over the ``(R, C)`` layout
+    (before ``_cast_blocks_compiled``) and the float32 rounding, both recipes failed here (the loop split above)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(208, 144), nn.ReLU(), nn.Linear(144, 80))
