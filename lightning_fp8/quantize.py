@@ -381,12 +381,13 @@ def _cast_blocks_compiled(
     data = stored(saturated_cast(x_scaled, fp8_dtype))
     padded_rows, padded_cols = data.shape[0] * data.shape[1], data.shape[2] * data.shape[3]
     data = data.reshape(padded_rows, padded_cols)
-    if (padded_rows, padded_cols) != (rows, cols):
+    padded = (padded_rows, padded_cols) != (rows, cols)
+    if padded:
         data = data[:rows, :cols].contiguous()
     if not statistics:
         return data, None
     inside = None
-    if (padded_rows, padded_cols) != (rows, cols):
+    if padded:
         bm, bn = xb.shape[1], xb.shape[3]
         row = torch.arange(xb.shape[0], device=xb.device)[:, None] * bm + torch.arange(bm, device=xb.device)
         col = torch.arange(xb.shape[2], device=xb.device)[:, None] * bn + torch.arange(bn, device=xb.device)
