@@ -31,9 +31,14 @@ counting steps. The casts record their amaxes and scales but no counts, numel or
 either, where the ablation records zeros). With ``statistics_every_n_steps=n`` a step costs on average
 ``(counted + (n - 1) * uncounted) / n``.
 
+On a CPU the times are self CPU times: of the aten ops and, compiled, of inductor's C++ kernels
+(``graph_<n>_cpp_fused_...``, class ``fused``), which the profiler sees because this script compiles them with
+inductor's ``cpp.enable_kernel_profile`` (a record function per kernel call; without it a compiled CPU profile
+missed the fused kernels, about half of a ``tiny`` block's step).
+
 Output: a markdown table per variant (the classes, then the ``--top`` kernels by time) on stdout, and JSON
-(``--json``: every kernel's time too). Its numbers are device time summed over kernels, not wall time: overlaps and launch gaps are not in
-it (``bench_llama.py`` measures the wall time).
+(``--json``: every kernel's time too). Its numbers are device time summed over kernels, not wall time: overlaps and
+launch gaps are not in it (``bench_llama.py`` measures the wall time).
 """
 
 from __future__ import annotations
@@ -56,11 +61,16 @@ import harness  # noqa: E402
 #: (class, pattern on the kernel name), tried in order: inductor names a Triton kernel after every op fused into it,
 #: so ``triton_..._scaled_mm_...`` is a cast feeding a GEMM (``fused``), not a GEMM
 CLASSES = (
-    ("fused", re.compile(r"^triton_|_cast_with_statistics_kernel|_block_cast_kernel", re.I)),  # ours eager too
+    # inductor's Triton kernels, its C++ kernels on a CPU (``graph_<n>_cpp_fused_...``), our eager Triton casts
+    ("fused", re.compile(r"^triton_|^(graph_\d+_)?cpp_fused|_cast_with_statistics_kernel|_block_cast_kernel", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|cudnn.*sdpa|sdpa", re.I)),
     ("optimizer", re.compile(r"adam", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|splitKreduce|scaled_mm|sm90_xmma|ampere_|\bmm\b|matmul|addmm|bmm", re.I)),
 )
+
+
+#: what counts as a kernel on a CPU: aten ops and inductor's C++ kernels (seen with ``cpp.enable_kernel_profile``)
+CPU_KERNEL = re.compile(r"aten::|(graph_\d+_)?cpp_fused")
 
 
 @contextlib.contextmanager
@@ -101,7 +111,7 @@ def profile_kernels(step: Any, device: str, steps: int) -> dict[str, float]:
     for event in prof.events():
         if cuda and event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
             times[event.name] += event.device_time_total / steps
-        elif not cuda and event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("aten::"):
+        elif not cuda and event.device_type == torch.autograd.DeviceType.CPU and CPU_KERNEL.match(event.name):
             times[event.name] += event.self_cpu_time_total / steps
     return dict(times)
 
@@ -162,12 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(list(base.parameters()), lr=1e-5, weight_decay=0.0, fused=True)
     x = torch.randn(size.batch, size.seq, size.hidden, device=args.device)
     backend = None if args.eager else "inductor"
+    # Compiled on a CPU, each C++ kernel opens a profiler record function (one call per kernel launch: a few
+    # microseconds a step); without it the CPU profile sees only the aten ops that inductor's code calls, not the
+    # fused kernels. Only while this profiles (an option of inductor's code, which its caches key on).
+    kernel_profile = backend is not None and torch.device(args.device).type == "cpu"
     env = harness.environment(args.device)
     mode = "eager" if args.eager else "compiled (inductor)"
     command = " ".join(["python benchmarks/profile_kernels.py", *(argv if argv is not None else sys.argv[1:])])
     results: dict[str, dict[str, Any]] = {}
     stopped = ""
-    with harness.stop_on_signals():  # under `timeout`: the variants profiled so far are still written and printed
+    with harness.stop_on_signals(), (  # under `timeout`: the variants profiled so far are still written and printed
+        torch._inductor.config.patch({"cpp.enable_kernel_profile": True}) if kernel_profile else contextlib.nullcontext()
+    ):
         try:
             for kind in kinds:
                 name, _, ablation = kind.partition(":")

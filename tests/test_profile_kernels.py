@@ -21,6 +21,8 @@ import profile_kernels  # noqa: E402
     ("aten::mm", "gemm"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
     ("_cast_with_statistics_kernel", "fused"),
+    ("graph_3_cpp_fused__to_copy_abs_amax_clamp_mul_reciprocal_t_view_1", "fused"),  # inductor's C++ kernels
+    ("cpp_fused_add_mul_0", "fused"),
 ])
 def test_kernel_classes(name, expected):
     assert profile_kernels.kernel_class(name) == expected
@@ -48,6 +50,23 @@ def test_profile_on_this_cpu_with_the_statistics_ablation(tmp_path, capsys):
     assert results["ours-rowwise"]["kernels_us"].get("aten::index_add_", 0) > 0
     assert "aten::index_add_" not in results["ours-rowwise:nostats"]["kernels_us"]
     assert "| ours-tensorwise:nostats |" in capsys.readouterr().out
+
+
+def test_compiled_on_this_cpu_the_fused_kernels_are_profiled(tmp_path):
+    """Compiled on a CPU, inductor's C++ kernels are in the profile (class ``fused``, with time), not only the aten
+    ops its code calls; the kernel profiling option is inductor's again afterwards."""
+    from torch._inductor import config
+
+    before = config.cpp.enable_kernel_profile
+    out = tmp_path / "kernels.json"
+    assert profile_kernels.main(["--size", "test", "--kinds", "ours-tensorwise", "--steps", "1", "--warmup", "1",
+                                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"]["ours-tensorwise"]
+    fused = {name: us for name, us in result["kernels_us"].items() if "cpp_fused" in name}
+    assert fused and all(profile_kernels.kernel_class(name) == "fused" for name in fused)
+    assert result["classes_us"]["fused"] == pytest.approx(sum(fused.values())) and result["classes_us"]["fused"] > 0
+    assert "aten::mm" in result["kernels_us"]  # the GEMMs inductor's code calls are still there
+    assert config.cpp.enable_kernel_profile == before
 
 
 def test_a_sigterm_keeps_the_variants_profiled(tmp_path, capsys, monkeypatch):
