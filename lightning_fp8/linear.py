@@ -664,7 +664,8 @@ class FP8Linear(FP8Module, nn.Linear):
         if autocast and not specs.input_reused:
             # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
-            x2d = rounded_to(x2d, out_dtype)
+            # Compiled, the rounded input is stored once: its two amaxes and two casts read it (see rounded_to).
+            x2d = rounded_to(x2d, out_dtype, store=True)
         x2d = x2d.contiguous()
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
         # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an

@@ -11,10 +11,12 @@ consumer read the converted value through its 16 bits, which inductor cannot ski
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 import lightning_fp8 as lf
 import lightning_fp8.recipe as recipe_module
@@ -35,13 +37,16 @@ def _special_and_random_floats() -> torch.Tensor:
     return torch.cat([torch.tensor(named), bits.view(torch.float32), nan_payloads.view(torch.float32)])
 
 
+@pytest.mark.parametrize("store", [False, True], ids=["recomputed", "stored"])
 @pytest.mark.parametrize("form", ["float32-formula", "bits"])
 @pytest.mark.parametrize("dtype", F16, ids=["bfloat16", "float16"])
-def test_rounded_to_rounds_compiled_as_a_conversion_does(dtype, form, monkeypatch):
+def test_rounded_to_rounds_compiled_as_a_conversion_does(dtype, form, store, monkeypatch):
     """Compiled, ``rounded_to(x, dtype)`` read back in float32 is ``x.to(dtype)``'s value for every float32 class
     (NaNs stay NaN), where inductor's own ``x.to(dtype).float()`` keeps values unrounded; its gradient is that of
     ``x.to(dtype)``. Both forms: the float32 formula inductor's C++ backend gets, and the bit view Triton gets
-    (forced here on the C++ backend, which compiles it too, in scalar loops)."""
+    (forced here on the C++ backend, which compiles it too, in scalar loops). With ``store``, the same values and
+    gradient, and the compiled code keeps the rounded tensor in a 16-bit buffer of its own, which two readers read
+    (without ``store`` there is no such buffer: each reader rounds ``x`` itself)."""
     if form == "bits":
         monkeypatch.setattr(recipe_module, "inductor_cpp_backend", lambda device_type: False)
     x = _special_and_random_floats()
@@ -53,14 +58,27 @@ def test_rounded_to_rounds_compiled_as_a_conversion_does(dtype, form, monkeypatc
     torch._dynamo.reset()
     plain = through(lambda t: t.to(dtype))
     assert not torch.equal(plain[~x.isnan()], expected[~x.isnan()])  # the skipped rounding this guards against
-    ours = through(lambda t: rounded_to(t, dtype))
+    ours = through(lambda t: rounded_to(t, dtype, store=store))
     nan = x.isnan()
     assert torch.equal(ours.isnan(), nan)
     assert torch.equal(ours[~nan].view(torch.int32), expected[~nan].view(torch.int32))  # -0.0 included
-    assert torch.equal(rounded_to(x, dtype).view(torch.int16), x.to(dtype).view(torch.int16))  # eager: .to
+    assert torch.equal(rounded_to(x, dtype, store=store).view(torch.int16), x.to(dtype).view(torch.int16))  # eager
+
+    def two_readers(t):  # in two loop orders, as a row-wise and a column-wise cast read their input
+        r = rounded_to(t, dtype, store=store).float().nan_to_num().abs()
+        return r.amax(dim=1), r.amax(dim=0)
+
+    torch._dynamo.reset()
+    x2d, expected2d = x[:50_000].reshape(200, 250), expected[:50_000].reshape(200, 250).nan_to_num().abs()
+    (rows, columns), (code, *_) = run_and_get_code(torch.compile(two_readers, fullgraph=True, dynamic=False), x2d)
+    assert torch.equal(rows, expected2d.amax(dim=1)) and torch.equal(columns, expected2d.amax(dim=0))
+    sixteen_bit_buffer = re.search(rf"empty_strided_cpu\(\(200, 250\), \(250, 1\), {dtype}\)", code)
+    assert bool(sixteen_bit_buffer) == store, code
 
     xs = torch.randn(64, requires_grad=True)
-    torch.compile(lambda t: (rounded_to(t, dtype).float() * torch.arange(64.0)).sum(), fullgraph=True)(xs).backward()
+    rounded = torch.compile(lambda t: (rounded_to(t, dtype, store=store).float() * torch.arange(64.0)).sum(),
+                            fullgraph=True)
+    rounded(xs).backward()
     assert torch.equal(xs.grad, torch.arange(64.0))
 
 
