@@ -463,7 +463,7 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> torch.Tensor:
-    """``x.to(dtype)`` (``x`` float32 or of ``dtype``), for a 16-bit ``dtype`` rounded also where inductor would not.
+    """``x.to(dtype)`` (``x`` float32 or 16-bit), for a 16-bit ``dtype`` rounded also where inductor would not.
 
     Inductor computes fused bfloat16 and float16 arithmetic in float32, and when a consumer in the same kernel reads
     a value converted to one of them, it reads the float32 value: the conversion's rounding is skipped (unless the
@@ -505,7 +505,9 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
     that simplified either away would fail it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass
     such as a ``DTensor``) this is ``x.to(dtype)``, ``store`` or not.
     """
-    direct = x.dtype not in (torch.float32, dtype) or dtype not in SIXTEEN_BIT or type(x) not in _PLAIN
+    # a 16-bit x of the other 16-bit dtype (a bfloat16 input under float16 autocast) is rounded too: x.float() is
+    # exact, and inductor would skip the conversion between the two as it skips any other
+    direct = x.dtype not in (torch.float32, *SIXTEEN_BIT) or dtype not in SIXTEEN_BIT or type(x) not in _PLAIN
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
@@ -515,7 +517,7 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
 
 
 def _rounded_compiled(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32 or of ``dtype``) converted to ``dtype``, its rounding kept by inductor: see :func:`rounded_to`.
+    """``x`` (float32 or 16-bit) converted to ``dtype``, its rounding kept by inductor: see :func:`rounded_to`.
     For ``x`` of ``dtype`` (the value as stored), inductor's ``x.float()`` is the unrounded float32 value it kept."""
     if inductor_cpp_backend(x.device.type):
         return _rounded_in_float32(x.float(), dtype).to(dtype)
