@@ -358,7 +358,9 @@ def _own_output(out: Tensor, dtype: torch.dtype) -> Tensor:
     compile, where a dtype change does not make one).
     """
     if out.dtype != dtype:
-        return out.to(dtype)
+        # rounded as eager rounds it also when compiled: a bfloat16 GEMM output under float16 autocast rounds again
+        # where float16 has subnormals, and inductor would hand the bias add the bfloat16 value (see rounded_to)
+        return rounded_to(out, dtype)
     if torch.compiler.is_compiling() and _TRACED_FUNCTION_ALIASES_OUTPUTS:
         return out.clone()
     return out
