@@ -498,8 +498,9 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
     of being recomputed, from ``x``, in every loop that reads it: for a tensor that several loops read, as the input
     of ``rowwise`` and the block recipes (its two amaxes, its row-wise and its column-wise cast). On this CPU (AMD
     EPYC, one thread), one compiled ``rowwise`` layer's forward kernel (256 x 448 tokens x features) went from 0.26
-    to 0.21 ms, and the ``tiny`` Llama stack's compiled step from 1.24 to 1.17 times torchao's ``rowwise``. The
-    gradient passes through as it does without ``store``.
+    to 0.21 ms, and in ``benchmarks/bench_llama.py`` the compiled ``rowwise`` step of the tiny / small stacks from
+    1.26 / 1.17 to 1.20 / 1.10 times torchao's ``rowwise``. The gradient passes through as it does without
+    ``store``.
 
     ``tests/test_compiled_rounding.py`` checks the compiled result against ``.to`` on every float32 class, so a torch
     that simplified either away would fail it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass
@@ -512,16 +513,18 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
         return _RoundedCompiled.apply(x, dtype, store)
-    rounded = _rounded_compiled(x, dtype)
-    return stored(rounded) if store else rounded
+    return _rounded_compiled(x, dtype, store)
 
 
-def _rounded_compiled(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32 or 16-bit) converted to ``dtype``, its rounding kept by inductor: see :func:`rounded_to`.
-    For ``x`` of ``dtype`` (the value as stored), inductor's ``x.float()`` is the unrounded float32 value it kept."""
+def _rounded_compiled(x: torch.Tensor, dtype: torch.dtype, store: bool = False) -> torch.Tensor:
+    """``x`` (float32 or 16-bit) converted to ``dtype``, its rounding kept by inductor (and, with ``store``, in a
+    buffer of its own): see :func:`rounded_to`. For ``x`` of ``dtype`` (the value as stored), inductor's ``x.float()``
+    is the unrounded float32 value it kept."""
     if inductor_cpp_backend(x.device.type):
-        return _rounded_in_float32(x.float(), dtype).to(dtype)
-    return _through_bits(x.to(dtype))
+        rounded = _rounded_in_float32(x.float(), dtype).to(dtype)
+    else:
+        rounded = _through_bits(x.to(dtype))
+    return stored(rounded) if store else rounded
 
 
 @torch.compiler.assume_constant_result
@@ -591,11 +594,10 @@ class _RoundedCompiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, store: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.x_dtype = x.dtype
-        rounded = _rounded_compiled(x, dtype)
         # stored here, inside the Function, so that the gradient is this backward's: outside, the identity
         # as_strided view would differentiate as as_strided does (a zero-filled buffer, scattered into: a full-size
         # extra pass in the compiled backward, measured on one rowwise layer)
-        return stored(rounded) if store else rounded
+        return _rounded_compiled(x, dtype, store)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
