@@ -462,7 +462,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> torch.Tensor:
+def rounded_to(
+    x: torch.Tensor, dtype: torch.dtype, *, store: bool = False, rounded_gradient: bool = False
+) -> torch.Tensor:
     """``x.to(dtype)`` (``x`` float32 or 16-bit), for a 16-bit ``dtype`` rounded also where inductor would not.
 
     Inductor computes fused bfloat16 and float16 arithmetic in float32, and when a consumer in the same kernel reads
@@ -493,6 +495,11 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
       formula replaces the bit view because inductor's C++ backend does not vectorize ``int16`` (it is not among
       its ``VECTORIZABLE_DTYPES``): every loop fused with the view ran as scalar code (a 1024 x 1024 rounding with
       an amax, one thread, this AMD EPYC: 0.88 ms through the bits, 0.23 ms through the formula, 0.10 ms unrounded).
+      Nor through float32's bits as ``int32`` (round half to even by an integer addition, which it vectorizes, checked
+      exact over all 2**32 values): inductor lowers the bit view itself as a store, a scalar loop and a load, which
+      the C++ compiler folds away in 16-lane loops but not in the 32-lane loops of a kernel that also holds 16-bit
+      values, as the FP8 layers' kernels do (a compiled 256 x 128 GEMM output scaled and rounded to bfloat16: 35 us
+      through the ``int32`` bits, 19 us through the formula, 12.5 us unrounded).
 
     With ``store``, compiled, the rounded tensor is computed once into its own 16-bit buffer (:func:`stored`) instead
     of being recomputed, from ``x``, in every loop that reads it: for a tensor that several loops read, as the input
@@ -501,6 +508,13 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
     to 0.21 ms, and in ``benchmarks/bench_llama.py`` the compiled ``rowwise`` step of the tiny / small stacks from
     1.26 / 1.17 to 1.20 / 1.10 times torchao's ``rowwise``. The gradient passes through as it does without
     ``store``.
+
+    With ``rounded_gradient``, compiled, the gradient is taken as already rounded to ``dtype``: the caller's consumer
+    of the result is an FP8 layer whose backward hands back its input gradient rounded (a GEMM's output, of
+    ``dtype`` or converted to it by :func:`rounded_to`), and rounding it a second time, a full pass of the formula
+    over the gradient, changed no bit. One compiled ``rowwise`` layer under bfloat16 autocast (256 x 448 float32
+    input, 128 outputs, one thread, this AMD EPYC): a step's fused kernels 0.38-0.40 -> 0.36-0.37 ms, the step
+    1.41-1.43 -> 1.36-1.39 ms. Without it, the gradient is rounded (see :class:`_RoundedCompiled`).
 
     ``tests/test_compiled_rounding.py`` checks the compiled result against ``.to`` on every float32 class, so a torch
     that simplified either away would fail it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass
@@ -512,7 +526,7 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
-        return _RoundedCompiled.apply(x, dtype, store)
+        return _RoundedCompiled.apply(x, dtype, store, rounded_gradient)
     return _rounded_compiled(x, dtype, store)
 
 
@@ -592,17 +606,19 @@ class _RoundedCompiled(torch.autograd.Function):
     bit view carries none). Inside the FP8 GEMMs, which compute no gradients of their own, no Function is traced."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, store: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.x_dtype = x.dtype
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, dtype: torch.dtype, store: bool, rounded_gradient: bool
+    ) -> torch.Tensor:
+        ctx.x_dtype, ctx.rounded_gradient = x.dtype, rounded_gradient
         # stored here, inside the Function, so that the gradient is this backward's: outside, the identity
         # as_strided view would differentiate as as_strided does (a zero-filled buffer, scattered into: a full-size
         # extra pass in the compiled backward, measured on one rowwise layer)
         return _rounded_compiled(x, dtype, store)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         # the incoming gradient as eager has it, rounded (a bias's: a 16-bit sum over the tokens, which inductor
-        # would otherwise upcast unrounded)
-        if grad.dtype in SIXTEEN_BIT:
+        # would otherwise upcast unrounded), unless the caller's consumer rounded it (rounded_gradient)
+        if grad.dtype in SIXTEEN_BIT and not ctx.rounded_gradient:
             grad = _rounded_compiled(grad, grad.dtype)
-        return grad.to(ctx.x_dtype), None, None
+        return grad.to(ctx.x_dtype), None, None, None
