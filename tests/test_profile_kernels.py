@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_kernels  # noqa: E402
@@ -122,3 +123,27 @@ def test_sync_warnings_are_counted_under_their_call_site():
     namespace["caller"](harness._note_sync, sites, UserWarning("an unrelated warning"))
     assert len(sites) == 1 and list(sites.values()) == [2]
     assert next(iter(sites)).split(" < ")[0].endswith("some_benchmark.py:2")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
+def test_the_statistics_ablation_removes_the_compiled_counters_too(recipe):
+    """``statistics_off`` (the ``:nostats`` ablation, compiled only) zeroes every path a compiled cast counts on:
+    ``cast_statistics``, and the counts a compiled cast takes without it (from the stored FP8 bytes for casts scaled
+    by their own amaxes, from the float32 values for block casts); it missed those two, so the compiled ablation kept
+    most counters (found pricing them on a CPU). Outside it the same compiled casts count."""
+    from lightning_fp8 import quantize
+    from lightning_fp8.recipe import resolve_recipe
+
+    spec = resolve_recipe(recipe).cast_specs().forward[0]
+    x = torch.randn(64, 96)
+    x[0, :7] = 0.0
+    x[1, :5] = 1e-30  # underflows under any scale these amaxes give
+
+    def counts() -> torch.Tensor:
+        torch._dynamo.reset()
+        q = torch.compile(lambda t: quantize.quantize(t, spec), fullgraph=True)(x)
+        return q.stats.counts
+
+    assert counts().tolist()[:1] == [64 * 96 - 7] and counts()[2] >= 5
+    with profile_kernels.statistics_off():
+        assert counts().tolist() == [0, 0, 0]
