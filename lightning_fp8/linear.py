@@ -443,7 +443,11 @@ class _FP8LinearFn(torch.autograd.Function):
                 _gemm_dtype(grad_out.dtype, go_spec),
                 block_a=go_spec.block,
                 block_b=w_spec.block,
-            ).to(ctx.x_dtype)
+            )
+            if grad_input.dtype != ctx.x_dtype:
+                # rounded also when compiled (bfloat16 to float16): the rounded input's backward takes it as rounded
+                # (rounded_to's rounded_gradient); the GEMM's own output is rounded already
+                grad_input = rounded_to(grad_input, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             go_spec, x_spec = specs.grad_weight
             if q_go is None or not specs.grad_output_reused:
@@ -666,8 +670,11 @@ class FP8Linear(FP8Module, nn.Linear):
         if autocast and not specs.input_reused:
             # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
-            # Compiled, the rounded input is stored once: its two amaxes and two casts read it (see rounded_to).
-            x2d = rounded_to(x2d, out_dtype, store=True)
+            # Compiled, the rounded input is stored once: its two amaxes and two casts read it (see rounded_to). Its
+            # gradient comes from _FP8LinearFn's backward alone, which rounds it to out_dtype: row-wise scaling takes
+            # it as rounded (rounded_gradient: measured, a shorter compile at the same step time); the block recipes
+            # round it again (without that second rounding their compiled step was slower: see rounded_to)
+            x2d = rounded_to(x2d, out_dtype, store=True, rounded_gradient=specs.forward[0].granularity == "row")
         x2d = x2d.contiguous()
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
         # tensor parallelism (the amaxes of a piece are reduced with the other pieces') and inference mode (an

@@ -462,7 +462,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> torch.Tensor:
+def rounded_to(
+    x: torch.Tensor, dtype: torch.dtype, *, store: bool = False, rounded_gradient: bool = False
+) -> torch.Tensor:
     """``x.to(dtype)`` (``x`` float32 or 16-bit), for a 16-bit ``dtype`` rounded also where inductor would not.
 
     Inductor computes fused bfloat16 and float16 arithmetic in float32, and when a consumer in the same kernel reads
@@ -507,6 +509,17 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
     1.26 / 1.17 to 1.20 / 1.10 times torchao's ``rowwise``. The gradient passes through as it does without
     ``store``.
 
+    With ``rounded_gradient``, compiled, the gradient is taken as already rounded to ``dtype``: the caller's consumer
+    of the result is an FP8 layer whose backward hands back its input gradient rounded (a GEMM's output, of
+    ``dtype`` or converted to it by :func:`rounded_to`), and rounding it a second time, a full pass of the formula
+    over the gradient, changed no bit. ``FP8Linear`` passes it for ``rowwise`` only. Measured on this AMD EPYC, one
+    thread, ``benchmarks/bench_llama.py --cold-compile`` at the tiny size: ``rowwise``'s cold compile 92 -> 55 s and
+    99 -> 58 s (two runs), its compiled step the same within the run-to-run spread (15.6 -> 15.1 and 16.0 -> 16.1
+    ms; one compiled layer alone, 256 x 448 input, 128 outputs: 1.41-1.43 -> 1.36-1.39 ms); for ``blockwise`` the
+    compiled step grew by 7-11% (23.5 -> 25.2 and 24.0 -> 26.7 ms; its fused kernels 5.6 -> 7.0 ms per block:
+    inductor fuses the backward otherwise), so the block recipes keep the second rounding. Without it, the gradient
+    is rounded (see :class:`_RoundedCompiled`).
+
     ``tests/test_compiled_rounding.py`` checks the compiled result against ``.to`` on every float32 class, so a torch
     that simplified either away would fail it. The gradient is ``x.to(dtype)``'s. Eager (and for a tensor subclass
     such as a ``DTensor``) this is ``x.to(dtype)``, ``store`` or not.
@@ -517,7 +530,7 @@ def rounded_to(x: torch.Tensor, dtype: torch.dtype, *, store: bool = False) -> t
     if direct or not torch.compiler.is_compiling():
         return x.to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
-        return _RoundedCompiled.apply(x, dtype, store)
+        return _RoundedCompiled.apply(x, dtype, store, rounded_gradient)
     return _rounded_compiled(x, dtype, store)
 
 
@@ -597,20 +610,19 @@ class _RoundedCompiled(torch.autograd.Function):
     bit view carries none). Inside the FP8 GEMMs, which compute no gradients of their own, no Function is traced."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, store: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.x_dtype = x.dtype
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, dtype: torch.dtype, store: bool, rounded_gradient: bool
+    ) -> torch.Tensor:
+        ctx.x_dtype, ctx.rounded_gradient = x.dtype, rounded_gradient
         # stored here, inside the Function, so that the gradient is this backward's: outside, the identity
         # as_strided view would differentiate as as_strided does (a zero-filled buffer, scattered into: a full-size
         # extra pass in the compiled backward, measured on one rowwise layer)
         return _rounded_compiled(x, dtype, store)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         # the incoming gradient as eager has it, rounded (a bias's: a 16-bit sum over the tokens, which inductor
-        # would otherwise upcast unrounded). For an FP8 layer's rounded input the gradient is a GEMM output, rounded
-        # already; skipping the rounding for it was tried: one compiled rowwise layer's step 3% faster, but the tiny
-        # Llama stack's compiled blockwise step 9% slower (inductor fused the backward otherwise: fused kernels 5.6 ->
-        # 7.0 ms per block; rowwise's gain vanished there too), so it stays
-        if grad.dtype in SIXTEEN_BIT:
+        # would otherwise upcast unrounded), unless the caller's consumer rounded it (rounded_gradient)
+        if grad.dtype in SIXTEEN_BIT and not ctx.rounded_gradient:
             grad = _rounded_compiled(grad, grad.dtype)
-        return grad.to(ctx.x_dtype), None, None
+        return grad.to(ctx.x_dtype), None, None, None
