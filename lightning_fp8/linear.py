@@ -14,7 +14,9 @@ under bf16 autocast keeps; torchao keeps the high-precision input): the input's 
 grad_weight GEMM casts it as the forward did, else the input cast as that GEMM casts it, done in the
 forward (``rowwise`` and the block recipes scale each GEMM along its own reduction dimension: the same
 bits the backward would compute); the weight's FP8 copy when the grad_input GEMM casts it as the forward
-did, else the weight parameter itself (no extra memory: it is alive anyway).
+did, else the weight parameter itself (no extra memory: it is alive anyway). Compiled, a history-scaled input
+(``delayed``) is saved in high precision with its scale and cast again in the backward, the same bits: sibling layers
+cast their shared input with their own scales, and the partitioner keeps the one input instead of each copy.
 
 Each cast records its statistics into the layer's row of the FP8 state table (see
 :mod:`lightning_fp8.state`): the forward's casts in training mode outside ``inference_mode``, the
@@ -50,7 +52,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from lightning_fp8 import gemm
 from lightning_fp8.distributed import TensorParallelLayout, gathered_weights_changed, tensor_parallel_layout
 from lightning_fp8.module import FP8Module
-from lightning_fp8.quantize import Quantized, quantize
+from lightning_fp8.quantize import Quantized, quantize, saturated_cast
 from lightning_fp8.recipe import (
     E4M3, E5M2, GRAD_OUTPUT, INPUT, SIXTEEN_BIT, WEIGHT, CastSpec, FP8Recipe, LinearCastSpecs, rounded_to,
 )
@@ -366,6 +368,29 @@ def _own_output(out: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
+def _recast_in_backward(x_spec: CastSpec) -> bool:
+    """Whether a compiled layer saves its high-precision input (and the scale) for the grad_weight GEMM and casts it
+    again in the backward, instead of saving the forward's FP8 copy: under ``torch.compile``, for an input scaled from
+    its history (``delayed``).
+
+    Layers that read one input (q/k/v, gate/up) each cast it with their own history scale, so their casts are not one
+    graph node as the current-scaled recipes' are. AOTAutograd's partitioner does not recompute in the backward a cast
+    of a tensor whose earlier use went through a GEMM (``ban_recompute_used_far_apart``), so it kept every later
+    sibling's FP8 copy, one per layer beside the shared input (a Llama block's ``delayed`` saved about a tenth more
+    than ``tensorwise``, all of it in those copies). With the cast in the backward, the partitioner chooses: the
+    shared input, or the FP8 copy where that is smaller (the cast moves back into the forward).
+    ``tests/test_compiled_saved_casts.py`` measures it; eager mode saves the FP8 copy (siblings share it there)."""
+    return x_spec.scale_source == "history" and x_spec.granularity == "tensor" and torch.compiler.is_compiling()
+
+
+def _recast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """The forward's FP8 cast of ``x`` with its per-tensor ``scale`` again, bit for bit (:func:`saturated_cast` of
+    ``x * scale``), written ``scale * x``: an identical expression would be merged with the forward's cast by
+    AOTAutograd's common-subexpression elimination, and the backward would read the forward's FP8 copy after all
+    (see :func:`_recast_in_backward`). A float32 product is the same either way round."""
+    return saturated_cast(scale * x.to(torch.float32), fp8_dtype)
+
+
 class _FP8LinearFn(torch.autograd.Function):
     """The three FP8 GEMMs of a linear layer, for every recipe (the cast specs say how to quantize).
 
@@ -407,8 +432,14 @@ class _FP8LinearFn(torch.autograd.Function):
         need_input_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_reused = specs.weight_reused
         saved_x = saved_x_scale = None
+        ctx.recast_input = None
         if need_weight_grad:
-            if specs.input_reused:
+            if specs.input_reused and _recast_in_backward(x_spec):
+                # compiled, a history-scaled input: its high-precision self and its scale, cast again in the backward
+                # (see _recast_in_backward); the partitioner keeps whichever of the input and the FP8 copy is smaller
+                saved_x, saved_x_scale = x2d, x_scale
+                ctx.recast_input = x_data.dtype
+            elif specs.input_reused:
                 saved_x, saved_x_scale = x_data, x_scale
             else:
                 q_x = call.quantize_input(x2d, specs.grad_weight[1], False)
@@ -452,7 +483,10 @@ class _FP8LinearFn(torch.autograd.Function):
             go_spec, x_spec = specs.grad_weight
             if q_go is None or not specs.grad_output_reused:
                 q_go = call.quantize(grad_out, go_spec, record)
-            qx = Quantized(saved_x, x_scale, None)  # cast in the forward (see there)
+            if ctx.recast_input is not None:
+                qx = Quantized(_recast(saved_x, x_scale, ctx.recast_input), x_scale, None)
+            else:
+                qx = Quantized(saved_x, x_scale, None)  # cast in the forward (see there)
             grad_weight = gemm.fp8_mm(
                 q_go.data.t().contiguous(),
                 _column_major(qx.data),

@@ -16,7 +16,7 @@ import bench_llama  # noqa: E402
 import compiled_saved  # noqa: E402
 import docs_tables  # noqa: E402
 
-from lightning_fp8 import gemm  # noqa: E402
+from lightning_fp8 import gemm, linear  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,29 @@ def test_the_run_measures_every_variant_on_the_gpu_gemm_path(result):
     for kind in ("torchao-tensorwise", "ours-tensorwise", "ours-delayed"):
         assert results[kind]["saved_bytes"] < results["bf16"]["saved_bytes"], kind
     assert results["bf16"]["fp8_bytes"] == 0 and results["bf16"]["fp8_tensors"] == {}
-    kept = results["ours-delayed"]["fp8_tensors"]
-    assert kept and all(name.startswith("float8_e4m3fn (") for name in kept)
-    one_byte_each = sum(n * math.prod(ast.literal_eval(name.split(" ", 1)[1])) for name, n in kept.items())
-    assert results["ours-delayed"]["fp8_bytes"] == one_byte_each
     assert "torch._scaled_mm" in result["environment"]["GEMM path"]
     assert result["size"]["tokens"] == bench_llama.SIZES["test"].tokens
     assert gemm.gemm_path("cpu") == "emulated" and not bench_llama.fp8_hardware("cpu")
+
+
+@pytest.fixture(scope="module")
+def copies_kept(tmp_path_factory):
+    """``ours-delayed`` with the backward's cast of a saved input turned off (``linear._recast_in_backward``): each
+    sibling layer's FP8 copy of the shared input is saved, which the partitioner then keeps (see
+    ``tests/test_compiled_saved_casts.py``): a run that keeps FP8 copies."""
+    path = tmp_path_factory.mktemp("compiled_saved_copies") / "result.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear, "_recast_in_backward", lambda spec: False)
+        assert compiled_saved.main(["--size", "test", "--kinds", "ours-delayed", "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_the_fp8_copies_kept_are_listed_by_shape(copies_kept):
+    """The FP8 tensors a graph keeps are listed by dtype and shape, and their bytes (one per element) add up."""
+    kept = copies_kept["results"]["ours-delayed"]["fp8_tensors"]
+    assert kept and all(name.startswith("float8_e4m3fn (") for name in kept)
+    one_byte_each = sum(n * math.prod(ast.literal_eval(name.split(" ", 1)[1])) for name, n in kept.items())
+    assert copies_kept["results"]["ours-delayed"]["fp8_bytes"] == one_byte_each
 
 
 def test_the_table_compares_with_bf16_and_torchao(result):
@@ -60,18 +76,22 @@ def test_unknown_variants_are_refused():
         compiled_saved.main(["--kinds", "ours-mxfp8"])
 
 
-def test_config_sets_a_partitioner_flag_for_the_run(result, tmp_path):
+def test_config_sets_a_partitioner_flag_for_the_run(copies_kept, tmp_path):
     """``--config`` sets a ``torch._functorch.config`` flag for the run only: with the partitioner allowed to recompute
-    ops used far apart, ``delayed``'s sibling layers (whose casts of the shared input differ by their history scales)
-    keep fewer FP8 copies; the flag is back to its value after the run."""
+    ops used far apart, ``delayed``'s sibling layers (whose casts of the shared input differ by their history scales),
+    saving their FP8 copies (the backward's cast turned off, as in ``copies_kept``), keep fewer of them; the flag is
+    back to its value after the run."""
     import torch._functorch.config as functorch_config
 
     before = functorch_config.ban_recompute_used_far_apart
     path = tmp_path / "flag.json"
     flag = "ban_recompute_used_far_apart=False"
-    assert compiled_saved.main(["--size", "test", "--kinds", "ours-delayed", "--config", flag, "--json", str(path)]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear, "_recast_in_backward", lambda spec: False)
+        argv = ["--size", "test", "--kinds", "ours-delayed", "--config", flag, "--json", str(path)]
+        assert compiled_saved.main(argv) == 0
     flagged = json.loads(path.read_text())
-    assert flagged["results"]["ours-delayed"]["fp8_bytes"] < result["results"]["ours-delayed"]["fp8_bytes"]
+    assert flagged["results"]["ours-delayed"]["fp8_bytes"] < copies_kept["results"]["ours-delayed"]["fp8_bytes"]
     assert flag in flagged["command"]
     assert functorch_config.ban_recompute_used_far_apart == before
 
