@@ -570,6 +570,14 @@ _ROUNDING = {
 }
 
 
+@torch.compiler.assume_constant_result
+def _rounding_constants(dtype: torch.dtype) -> tuple[float, float, float, float | None]:
+    """``_ROUNDING[dtype]``, read as constants under ``torch.compile`` (see :func:`fp8_max`: with ``dynamic=True``
+    the floats read from the dict inside :class:`_RoundedCompiled` became symbolic inputs that dynamo cannot lift,
+    and a biased layer under autocast failed to compile; ``tests/test_compile_dynamic.py``)."""
+    return _ROUNDING[dtype]
+
+
 def _rounded_in_float32(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 ``x`` rounded to the nearest ``dtype`` value, ties to even, as ``x.to(dtype)`` rounds, kept in float32:
     float32 values and float32 arithmetic only, which inductor's C++ backend vectorizes (see :func:`rounded_to`).
@@ -591,7 +599,7 @@ def _rounded_in_float32(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     for both dtypes, bit for bit ``x.to(dtype).float()`` (NaNs: NaN). ``tests/test_compiled_rounding.py`` samples
     every class.
     """
-    split, smallest_normal, magic, overflow = _ROUNDING[dtype]
+    split, smallest_normal, magic, overflow = _rounding_constants(dtype)
     a = x.abs()
     if overflow is None:  # bfloat16: the largest magnitudes scaled down, so that the split cannot overflow
         large = a >= 2.0**100

@@ -105,3 +105,22 @@ def test_compile_dynamic_true_matches_eager(recipe, deferred):
         assert torch.equal(a, b), (recipe, 112)
     assert counter.frame_count == graphs
     _assert_same_state(eager, twin)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compile_dynamic_true_under_autocast_matches_eager(recipe, dtype):
+    """``dynamic=True`` under CPU autocast: the compiled 16-bit roundings (``rounded_to``: the bias, the output, the
+    ``rowwise`` input) read their float constants (the rounding's split factor and bounds) as constants, not as
+    symbolic inputs, which dynamo cannot lift inside an ``autograd.Function`` (the bias's rounding failed the compile:
+    "lift_tracked_freevar_to_input should not be called on root SubgraphTracer"). The same bits as eager."""
+    torch._dynamo.reset()
+    eager, twin = _pair(recipe)
+    compiled = torch.compile(twin, backend="aot_eager", dynamic=True)
+    for tokens in TOKENS:
+        x = torch.randn(tokens, 64)
+        with torch.autocast("cpu", dtype=dtype):
+            pairs = list(zip(_step(eager, x), _step(compiled, x)))
+        for a, b in pairs:
+            assert torch.equal(a, b), (recipe, dtype, tokens)
+    _assert_same_state(eager, twin)
