@@ -704,10 +704,11 @@ class FP8Linear(FP8Module, nn.Linear):
         if autocast and not specs.input_reused:
             # Recipes that cast the input twice (once per GEMM) cast what nn.Linear under autocast computes with, the
             # autocast dtype, as torchao does; the per-tensor recipes cast the original input, one rounding fewer.
-            # Compiled, the rounded input is stored once: its two amaxes and two casts read it (see rounded_to). Its
-            # gradient comes from _FP8LinearFn's backward alone, which rounds it to out_dtype: row-wise scaling takes
-            # it as rounded (rounded_gradient: measured, a shorter compile at the same step time); the block recipes
-            # round it again (without that second rounding their compiled step was slower: see rounded_to)
+            # Compiled for a CPU, the rounded input is stored once: its two amaxes and two casts read it (see
+            # rounded_to; for a GPU each of them recomputes the rounding, a view of the bits). Its gradient comes from
+            # _FP8LinearFn's backward alone, which rounds it to out_dtype: row-wise scaling takes it as rounded
+            # (rounded_gradient: measured, a shorter compile at the same step time); the block recipes round it again
+            # (without that second rounding their compiled step was slower: see rounded_to)
             x2d = rounded_to(x2d, out_dtype, store=True, rounded_gradient=specs.forward[0].granularity == "row")
         x2d = x2d.contiguous()
         # casts shared with sibling layers: in eager mode (a compiled graph shares identical casts by itself), outside
