@@ -327,7 +327,7 @@ def blocked(x: Tensor, block: tuple[int, int]) -> Tensor:
     padding and multiples of the block (which read ``x`` as a view) compile separate graphs.
 
     Compiled by inductor's C++ backend (a CPU), a padded ``x`` is written once into a buffer of its own
-    (:func:`~lightning_fp8.recipe.stored`) that its readers (the block amaxes, the cast, the counts, an emulated GEMM's
+    (``stored``) that its readers (the block amaxes, the cast, the counts, an emulated GEMM's
     dequantization) read with plain vector loads. Inlined, the padding became a masked vector load of ``x`` in every
     loop that read it, repeated for each use in the loop (inductor does not merge them), and a layer with a partial
     block was much slower than one with the next multiple of the block: one compiled ``blockwise`` layer, 256 x 448
