@@ -66,6 +66,9 @@ CACHE_WEIGHT_CASTS = True
 #: Moves whenever weights may have changed without their version counters showing it (see
 #: :func:`weights_may_have_changed`); a kept FP8 weight cast is valid within one value of it.
 _weights_epoch = 0
+#: Counts ``torch.optim`` optimizer steps (the post-step hook below): a weight's statistics are recorded once per value
+#: of it and of its state table's generation, whatever else made its kept casts stale (an evaluation in between).
+_optimizer_steps = 0
 
 
 def weights_may_have_changed(*, all_ranks: bool = False) -> None:
@@ -92,6 +95,8 @@ def weights_may_have_changed(*, all_ranks: bool = False) -> None:
 
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
     weights_may_have_changed()  # this rank's kept casts only: the gather scales have a hook of their own (distributed)
 
 
@@ -295,10 +300,13 @@ class _LinearCall:
             if not record or recorded:
                 return q
             if q.stats is not None:  # cast with statistics, not recorded yet in this window
-                self.record(spec.role, q)
+                if self.first_weight_record(weight, spec):
+                    self.record(spec.role, q)
                 cache[spec] = (key, q, True, entry[3])
                 return q
-        q = self.quantize(weight, spec, record, history)
+        # cast again in this step when an evaluation made the kept cast stale (the weights may have been swapped
+        # through .data around it): the weight's statistics were recorded by the step's first cast already
+        q = self.quantize(weight, spec, record and self.first_weight_record(weight, spec), history)
         if owner is not None:
             cache[spec] = (key, q, record, weakref.ref(owner))
         return q
@@ -314,10 +322,13 @@ class _LinearCall:
         return (*self.step_key(), weight._version, weight.data_ptr(), weight.dtype, weight.device)
 
     def first_weight_record(self, weight: Tensor, spec: CastSpec) -> bool:
-        """Whether a forward that keeps no cast (``no_grad``) is the first in this optimizer step to record the
-        statistics of ``weight`` (the same tensor, version, table generation and weights epoch as
-        :meth:`cached_weight_cast` keys its casts by): the weight's statistics are recorded once per step."""
-        key = self.weight_key(weight)
+        """Whether a cast of ``weight`` is the first in this optimizer step to record its statistics, for a forward
+        that keeps no cast (``no_grad``) and for :meth:`cached_weight_cast`'s casts: the weight's statistics are
+        recorded once per step. The same tensor, version, storage, table generation and count of optimizer steps:
+        unlike the kept casts, not the weights epoch, which an evaluation between two micro-batches also moves (the
+        plugins' phase switch; the weights it may have swapped through ``.data`` are back by then)."""
+        key = (id(self.table), self.table.generation, _optimizer_steps, weight._version, weight.data_ptr(),
+               weight.dtype, weight.device)
         records = self.layer.__dict__.setdefault("_fp8_weight_records", {})
         seen = records.get(spec)
         if seen is not None and seen[0] == key and seen[1]() is weight:

@@ -591,3 +591,28 @@ def test_compiled_layers_count_every_weight_cast_with_the_same_fractions(recipe)
     assert int(weight_eager[1]) > 0 and weight_compiled[1:].float().div(weight_compiled[0]).equal(
         weight_eager[1:].float().div(weight_eager[0])
     )
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_validation_inside_an_accumulation_window_records_the_weights_statistics_once(recipe):
+    """A validation inside an accumulation window makes the kept weight casts stale (the weights may have been swapped
+    through ``.data``), so the next training forward casts again; it must not record the weight's statistics a second
+    time in that optimizer step: the weight rows' counters equal a run without validation (they read 10240 elements
+    instead of 8192 per layer here, one cast too many), and so does everything else."""
+
+    def run(validate):
+        torch.manual_seed(0)
+        model = TinyDecoder(layers=1, dim=32)
+        val = dict(val_check_interval=3, limit_val_batches=2) if validate else dict(limit_val_batches=0)
+        trainer = make_trainer(lf.FP8Precision(recipe=recipe), max_steps=4, accumulate_grad_batches=2,
+                               num_sanity_val_steps=0, **val)
+        trainer.fit(model, loader(n=4_000), loader(n=1_000) if validate else None)
+        return model
+
+    validated, plain = run(True), run(False)
+    for a, b in zip(validated.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+    counts_v = [t["counts"] for t in lf.fp8_state_dict(validated)["tables"]]
+    counts_p = [t["counts"] for t in lf.fp8_state_dict(plain)["tables"]]
+    assert counts_v and all(torch.equal(a, b) for a, b in zip(counts_v, counts_p)), (counts_v, counts_p)
+    assert all(int(c[:, WEIGHT, 0].min()) > 0 for c in counts_p)
