@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)  # the Linear layers are now FP8Linear (same parameters)
     stats = FP8Stats(fp8)  # the FP8 statistics of every model set up with the plugin
-    state = {"model": model, "optimizer": optimizer, "fp8": fp8, "step": 0}
+    # the stats reader is saved too: resumed, its first reading covers the steps since the last reading before the
+    # checkpoint, not the whole run (see FP8Stats)
+    state = {"model": model, "optimizer": optimizer, "fp8": fp8, "stats": stats, "step": 0}
     if args.resume:
         fabric.load(args.resume, state)  # weights, optimizer, loss scale and FP8 state; bit-exact resume
         fabric.print(f"Resumed from {args.resume} at step {state['step']}")

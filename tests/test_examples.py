@@ -235,6 +235,10 @@ def test_fabric_example_runs_and_resumes(tmp_path, monkeypatch):
     (model_state,) = state["fp8"]["models"]
     assert set(fp8_state_layer_names(model_state)) == {"net.0", "net.2", "net.4"}
     assert state["fp8"]["loss_scaling"] == "skip_nonfinite" and state["fp8"]["loss_scaler"]["scale"] == 1.0
+    # the stats reader is saved with its baseline (the reading at step 6): resumed, its first interval starts there,
+    # not at the start of the run (without it, a resumed run's first reading reported every skipped step and
+    # underflow since step 0)
+    assert state["stats"]["has_baseline"] and set(state["stats"]["last_counts"]) == {"net.0", "net.2", "net.4"}
     # FP8Stats through fabric.log_dict: the CSV logger wrote the statistics at steps 3 and 6
     import csv
 
