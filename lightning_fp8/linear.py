@@ -319,7 +319,7 @@ class _LinearCall:
     def weight_key(self, weight: Tensor) -> tuple[Any, ...]:
         """What a kept weight cast (and a weight's statistics record) is valid for, besides the tensor object itself:
         the optimizer step (:meth:`step_key`), the weight's version counter, storage, dtype and device."""
-        return (*self.step_key(), weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        return (*self.step_key(), *_tensor_key(weight))
 
     def first_weight_record(self, weight: Tensor, spec: CastSpec) -> bool:
         """Whether a cast of ``weight`` is the first in this optimizer step to record its statistics, for a forward
@@ -327,8 +327,7 @@ class _LinearCall:
         recorded once per step. The same tensor, version, storage, table generation and count of optimizer steps:
         unlike the kept casts, not the weights epoch, which an evaluation between two micro-batches also moves (the
         plugins' phase switch; the weights it may have swapped through ``.data`` are back by then)."""
-        key = (id(self.table), self.table.generation, _optimizer_steps, weight._version, weight.data_ptr(),
-               weight.dtype, weight.device)
+        key = (id(self.table), self.table.generation, _optimizer_steps, *_tensor_key(weight))
         records = self.layer.__dict__.setdefault("_fp8_weight_records", {})
         seen = records.get(spec)
         if seen is not None and seen[0] == key and seen[1]() is weight:
@@ -342,6 +341,11 @@ class _LinearCall:
             # a cast made elsewhere (an FSDP2 gather's) may have counted on a step that does not: its amax and scale only
             counts, bins = (s.counts, s.amax_bins) if self.decision.count_statistics else (None, None)
             self.table.record(self.index, role, s.amax, s.scale, s.numel, counts, bins)
+
+
+def _tensor_key(weight: Tensor) -> tuple[Any, ...]:
+    """What identifies a weight's values besides the tensor object: its version counter, storage, dtype and device."""
+    return (weight._version, weight.data_ptr(), weight.dtype, weight.device)
 
 
 def _gemm_dtype(dtype: torch.dtype, spec: CastSpec) -> torch.dtype:

@@ -539,8 +539,8 @@ def rounded_to(
 
 def _rounded_compiled(x: torch.Tensor, dtype: torch.dtype, store: bool = False) -> torch.Tensor:
     """``x`` (float32 or 16-bit) converted to ``dtype``, its rounding kept by inductor (and, with ``store``, for
-    inductor's C++ backend, in a buffer of its own): see :func:`rounded_to`. For ``x`` of ``dtype`` (the value as stored), inductor's ``x.float()``
-    is the unrounded float32 value it kept."""
+    inductor's C++ backend, in a buffer of its own): see :func:`rounded_to`. For ``x`` of ``dtype`` (the value as
+    stored), inductor's ``x.float()`` is the unrounded float32 value it kept."""
     if inductor_cpp_backend(x.device.type):
         rounded = _rounded_in_float32(x.float(), dtype).to(dtype)
         return stored(rounded) if store else rounded
