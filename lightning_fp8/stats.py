@@ -169,6 +169,14 @@ class FP8Stats:
         self.total_counts: dict[str, list[list[float]]] = {}
         self.last_skipped = 0.0
         self.has_baseline = False
+        self._forget_carried()
+
+    def _forget_carried(self) -> None:
+        #: Per layer, the counts (and block amax histograms) that a checkpoint's reading had not reported yet, with
+        #: the counter epoch they were read under (see :meth:`state_dict`).
+        self.carried_counts: dict[str, list[list[float]]] = {}
+        self.carried_bins: dict[str, list[list[float]]] = {}
+        self.carried_epoch: dict[str, float] = {}
 
     # ------------------------------------------------------------------ sources
     def _models(self) -> list[nn.Module]:
@@ -341,6 +349,7 @@ class FP8Stats:
         self.last_bins = {name: layer.amax_bins for name, layer in reading.layers.items() if layer.amax_bins}
         self.last_skipped = reading.skipped_steps
         self.has_baseline = True
+        self._forget_carried()
 
     def metrics(self, reading: FP8Reading | None = None) -> dict[str, float]:
         """The named metrics (module docstring) of ``reading`` (or of a new reading); the interval fractions are
@@ -351,20 +360,16 @@ class FP8Stats:
         metrics: dict[str, float] = {}
         worst_over = worst_under = (-1.0, -1)
         scales: list[float] = []
-        zeros = [[0.0] * _N_COUNTS for _ in ROLES]
         for index, (name, layer) in enumerate(reading.layers.items()):
-            last = self.last_counts.get(name, zeros)
-            if self.last_epoch.get(name, layer.counts_epoch) != layer.counts_epoch:
-                last = zeros  # the counters restarted from zero since the baseline (a multi-rank resume)
-            elif not _plausible_interval(layer.counts, last):
-                last = layer.counts  # counters set back (an older state loaded in place): a new baseline, no interval
+            interval = self._interval(name, layer)
+            counts = interval[0] if interval is not None else [[0.0] * _N_COUNTS for _ in ROLES]
             total = self.total_counts.setdefault(name, [[0.0] * _N_COUNTS for _ in ROLES])
             for r, role in enumerate(ROLES):
                 prefix = f"fp8/{name}/{role}"
                 metrics[f"{prefix}/amax"] = layer.history[r][0]
                 metrics[f"{prefix}/scale"] = layer.scale[r]
                 scales.append(layer.scale[r])
-                delta = [now - before for now, before in zip(layer.counts[r], last[r])]
+                delta = counts[r]
                 total[r] = [t + d for t, d in zip(total[r], delta)]
                 if delta[SEEN] > 0:
                     over = delta[OVERFLOW] / delta[SEEN]
@@ -376,13 +381,16 @@ class FP8Stats:
                     metrics[f"{prefix}/underflow_frac"] = under
                     if under > worst_under[0]:
                         worst_under = (under, index)
+            if interval is not None and interval[1] is not None:
+                for r, role in enumerate(ROLES):
+                    median = block_amax_median(interval[1][r])
+                    if median is not None:
+                        metrics[f"fp8/{name}/{role}/block_amax_median"] = median
             if layer.amax_bins:
-                if last is layer.counts:  # set back: a new baseline, no interval (as for the counts)
-                    self.last_bins[name] = layer.amax_bins
-                else:
-                    self._block_amax_metrics(metrics, name, layer, restarted=last is zeros)
+                self.last_bins[name] = layer.amax_bins
             self.last_counts[name] = layer.counts
             self.last_epoch[name] = layer.counts_epoch
+        self._forget_carried()
         if not math.isnan(reading.loss_scale):
             metrics["fp8/loss_scale"] = reading.loss_scale
         skipped = 0.0 if math.isnan(reading.skipped_steps) else reading.skipped_steps
@@ -400,20 +408,55 @@ class FP8Stats:
             metrics["fp8/scale_min"], metrics["fp8/scale_max"] = min(finite), max(finite)
         return metrics
 
-    def _block_amax_metrics(self, metrics: dict[str, float], name: str, layer: LayerReading, restarted: bool) -> None:
-        """``block_amax_median`` of each role from the interval's histogram (the cumulative one after a restart)."""
-        before = self.last_bins.get(name)
-        for r, role in enumerate(ROLES):
-            now = layer.amax_bins[r]
-            delta = now if restarted or before is None else [a - b for a, b in zip(now, before[r])]
-            median = block_amax_median(delta)
-            if median is not None:
-                metrics[f"fp8/{name}/{role}/block_amax_median"] = median
-        self.last_bins[name] = layer.amax_bins
+    def _interval(self, name: str, layer: LayerReading) -> tuple[list[list[float]], list[list[float]] | None] | None:
+        """The counts of ``layer`` since the baseline, per role, and its block amax histograms since then (``None``
+        for a table without them); ``None`` where the counters were set back (an older state loaded in place: a new
+        baseline, no interval). Where the counters restarted from zero since the baseline (a multi-rank resume),
+        the interval is everything since the restart; and where they restarted since a checkpoint's reading, what
+        that reading had not reported yet (:meth:`state_dict`) is added."""
+        zeros = [[0.0] * _N_COUNTS for _ in ROLES]
+        last = self.last_counts.get(name, zeros)
+        restarted = self.last_epoch.get(name, layer.counts_epoch) != layer.counts_epoch
+        if restarted:
+            last = zeros
+        elif not _plausible_interval(layer.counts, last):
+            return None
+        counts = [[now - before for now, before in zip(layer.counts[r], last[r])] for r in range(_N_ROLES)]
+        bins: list[list[float]] | None = None
+        if layer.amax_bins:
+            before = self.last_bins.get(name)
+            bins = [
+                list(now) if restarted or before is None else [a - b for a, b in zip(now, before[r])]
+                for r, now in enumerate(layer.amax_bins)
+            ]
+        if name in self.carried_counts and self.carried_epoch.get(name) != layer.counts_epoch:
+            counts = _plus(counts, self.carried_counts[name])
+            bins = _plus(bins, self.carried_bins.get(name)) if bins is not None else None
+        return counts, bins
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The interval baseline and the totals (plain values)."""
+        """The interval baseline and the totals (plain values), and the counts of the interval not read yet.
+
+        Takes a reading (a collective under ``torch.distributed``: call it on every rank, as Lightning's
+        checkpointing and Fabric's ``save`` do) and saves its counts since the baseline (``carried_counts``,
+        ``carried_bins``, with the counter epochs they were read under), without changing this object. Where a
+        resumed run's counters restart from zero (more than one rank saved or loads; see ``docs/checkpoints.md``),
+        the first interval after the resume adds them: the steps between the last reading and the checkpoint are
+        lost neither from the totals nor from the fractions logged next. Where the counters are restored exactly
+        (one rank saved and one loads), their epochs are the saved ones and the carried counts are not added.
+        """
+        carried_counts: dict[str, list[list[float]]] = {}
+        carried_bins: dict[str, list[list[float]]] = {}
+        carried_epoch: dict[str, float] = {}
+        reading = self.read() if self.source is not None else None
+        if reading is not None:
+            for name, layer in reading.layers.items():
+                interval = self._interval(name, layer)
+                if interval is not None:
+                    carried_counts[name], carried_epoch[name] = interval[0], layer.counts_epoch
+                    if interval[1] is not None:
+                        carried_bins[name] = interval[1]
         return {
             "last_counts": self.last_counts,
             "last_epoch": self.last_epoch,
@@ -421,6 +464,9 @@ class FP8Stats:
             "last_skipped": self.last_skipped,
             "has_baseline": self.has_baseline,
             "last_bins": self.last_bins,
+            "carried_counts": carried_counts,
+            "carried_bins": carried_bins,
+            "carried_epoch": carried_epoch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -431,3 +477,13 @@ class FP8Stats:
         self.last_skipped = state["last_skipped"]
         self.has_baseline = state.get("has_baseline", bool(self.last_counts))
         self.last_bins = state.get("last_bins", {})
+        self.carried_counts = state.get("carried_counts", {})
+        self.carried_bins = state.get("carried_bins", {})
+        self.carried_epoch = state.get("carried_epoch", {})
+
+
+def _plus(a: list[list[float]], b: list[list[float]] | None) -> list[list[float]]:
+    """``a + b`` element by element (``a`` where ``b`` is ``None``)."""
+    if b is None:
+        return a
+    return [[x + y for x, y in zip(row_a, row_b)] for row_a, row_b in zip(a, b)]

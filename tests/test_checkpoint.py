@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 
 import lightning as L
@@ -210,6 +211,25 @@ def test_exact_resume_ddp_two_processes(recipe, gloo_runs):
     for name in totals_s:
         assert totals_s[name] == totals_r[name], name
         assert all(value >= 0 for role in totals_r[name] for value in role), name
+    # What was logged after the resume is what the straight run logged at the same steps: the interval of the step-3
+    # log began before the checkpoint (step 2), and the run-end reading covers step 4.
+    logged_s, logged_r = (fp8_rows(tmp_path / run / "version_0" / "metrics.csv") for run in ("straight", "resumed"))
+    assert logged_r and set(logged_r) <= set(logged_s)
+    for step, row in logged_r.items():
+        assert row == logged_s[step], step
+    assert any(key.endswith("/underflow_frac") for row in logged_r.values() for key in row)
+
+
+def fp8_rows(path):
+    """The FP8 metrics a CSVLogger wrote, by step: ``{step: {name: value}}``, values as written."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    by_step = {}
+    for row in rows:
+        values = {k: v for k, v in row.items() if k.startswith("fp8/") and v != ""}
+        if values:
+            by_step.setdefault(int(row["step"]), {}).update(values)
+    return by_step
 
 
 # ------------------------------------------------------------------ checkpoints written by lightning-fp8 0.1

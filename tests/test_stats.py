@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -65,6 +67,45 @@ def test_counter_restart_takes_a_new_baseline():
     assert 0 < metrics["fp8/0/input/overflow_frac"] < 1
     assert all(v >= 0 for role in stats.total_counts["0"] for v in role)
     assert stats.total_counts["0"][0][0] == 4 * 8 * 32
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "rowwise"])
+def test_a_checkpoint_carries_its_unread_interval_to_counters_that_restart(recipe):
+    """Steps recorded after the last reading and before a checkpoint: resumed where the counters restart from zero (more
+    than one rank saved or loads), the first interval and the totals include them; resumed with the counters restored
+    exactly (one rank), they are not counted twice. Both give the straight run's metrics and totals."""
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        lf.convert_to_fp8(m, recipe=recipe)
+        return m
+
+    straight = model()
+    stats = FP8Stats(straight)
+    stats.take_baseline()
+    _steps(straight, 1)
+    lf.roll_amax_history(straight)
+    stats.metrics()
+    _steps(straight, 2, scale=30.0)  # recorded, not read before the checkpoint
+    saved_stats, saved_fp8 = copy.deepcopy(stats.state_dict()), lf.fp8_state_dict(straight)
+    assert stats.total_counts["0"][0][0] == 8 * 32  # saving read nothing into the run's own totals
+    torch.manual_seed(1)
+    _steps(straight, 1, scale=30.0)
+    expected, expected_totals = stats.metrics(), copy.deepcopy(stats.total_counts)
+    assert expected_totals["0"][0][0] == 4 * 8 * 32
+    if recipe == "delayed":  # inputs 30 times larger than the history's: the interval saturates
+        assert expected["fp8/0/input/overflow_frac"] > 0
+    else:  # an interval's histogram of the row amaxes
+        assert "fp8/0/input/block_amax_median" in expected
+    for counters in (True, False):
+        resumed = model()
+        lf.load_fp8_state_dict(resumed, saved_fp8, counters=counters)
+        again = FP8Stats(resumed)
+        again.load_state_dict(copy.deepcopy(saved_stats))
+        torch.manual_seed(1)
+        _steps(resumed, 1, scale=30.0)
+        assert again.metrics() == expected, counters
+        assert again.total_counts == expected_totals, counters
 
 
 def test_include_exclude_and_several_models():
