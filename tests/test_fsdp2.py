@@ -309,6 +309,12 @@ def test_fp8_all_gather_gives_the_unsharded_cast_bit_for_bit(recipe):
     # outside the region the gathered weight computes dequantized (the high-precision weight was never gathered)
     dequantized = layer.weight.dequantize()
     assert torch.equal(layer(x), torch.nn.functional.linear(x, dequantized, layer.bias))
+    # and so does any other use of it (docs/distributed.md: an L2 penalty computed in the forward), gradient included
+    layer.weight.grad = None
+    penalty = layer.weight.pow(2).sum()
+    assert torch.equal(penalty, dequantized.pow(2).sum()) and not torch.equal(penalty, full.pow(2).sum())
+    penalty.backward()
+    assert torch.equal(layer.weight.grad, 2 * dequantized)
 
 
 def _layout(style: str) -> TensorParallelLayout:
