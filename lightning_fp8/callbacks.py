@@ -123,7 +123,8 @@ class FP8StatsCallback(Callback):
 
     @property
     def fetches(self) -> int:
-        """Batched device-to-host copies made (one per logging step, plus the baseline)."""
+        """Batched device-to-host copies made (one per logging step, plus the baseline, the reading at the end of
+        training, and one per checkpoint saved: see :meth:`lightning_fp8.FP8Stats.state_dict`)."""
         return self._stats.fetches
 
     @property

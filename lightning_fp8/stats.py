@@ -172,11 +172,10 @@ class FP8Stats:
         self._forget_carried()
 
     def _forget_carried(self) -> None:
-        #: Per layer, the counts (and block amax histograms) that a checkpoint's reading had not reported yet, with
-        #: the counter epoch they were read under (see :meth:`state_dict`).
+        #: Per layer, the counts (and block amax histograms) that a checkpoint's reading had not reported yet (see
+        #: :meth:`state_dict`): part of the next interval.
         self.carried_counts: dict[str, list[list[float]]] = {}
         self.carried_bins: dict[str, list[list[float]]] = {}
-        self.carried_epoch: dict[str, float] = {}
 
     # ------------------------------------------------------------------ sources
     def _models(self) -> list[nn.Module]:
@@ -412,8 +411,8 @@ class FP8Stats:
         """The counts of ``layer`` since the baseline, per role, and its block amax histograms since then (``None``
         for a table without them); ``None`` where the counters were set back (an older state loaded in place: a new
         baseline, no interval). Where the counters restarted from zero since the baseline (a multi-rank resume),
-        the interval is everything since the restart; and where they restarted since a checkpoint's reading, what
-        that reading had not reported yet (:meth:`state_dict`) is added."""
+        the interval is everything since the restart. What a checkpoint's reading had not reported yet
+        (:meth:`state_dict`) is added."""
         zeros = [[0.0] * _N_COUNTS for _ in ROLES]
         last = self.last_counts.get(name, zeros)
         restarted = self.last_epoch.get(name, layer.counts_epoch) != layer.counts_epoch
@@ -429,7 +428,7 @@ class FP8Stats:
                 list(now) if restarted or before is None else [a - b for a, b in zip(now, before[r])]
                 for r, now in enumerate(layer.amax_bins)
             ]
-        if name in self.carried_counts and self.carried_epoch.get(name) != layer.counts_epoch:
+        if name in self.carried_counts:
             counts = _plus(counts, self.carried_counts[name])
             bins = _plus(bins, self.carried_bins.get(name)) if bins is not None else None
         return counts, bins
@@ -439,35 +438,37 @@ class FP8Stats:
         """The interval baseline and the totals (plain values), and the counts of the interval not read yet.
 
         Takes a reading (a collective under ``torch.distributed``: call it on every rank, as Lightning's
-        checkpointing and Fabric's ``save`` do) and saves its counts since the baseline (``carried_counts``,
-        ``carried_bins``, with the counter epochs they were read under), without changing this object. Where a
-        resumed run's counters restart from zero (more than one rank saved or loads; see ``docs/checkpoints.md``),
-        the first interval after the resume adds them: the steps between the last reading and the checkpoint are
-        lost neither from the totals nor from the fractions logged next. Where the counters are restored exactly
-        (one rank saved and one loads), their epochs are the saved ones and the carried counts are not added.
+        checkpointing and Fabric's ``save`` do), without changing this object. The saved baseline is that reading,
+        and its counts since this object's baseline are saved too (``carried_counts``, ``carried_bins``): the first
+        interval after a resume is the counts since the reading plus them, whether the resumed counters continue
+        from the checkpoint's (one rank saved and one loads) or restart from zero (more than one rank; see
+        ``docs/checkpoints.md``). So the steps between the last reading and the checkpoint are lost neither from
+        the totals nor from the fractions logged next, after any chain of checkpoints and resumes.
         """
-        carried_counts: dict[str, list[list[float]]] = {}
-        carried_bins: dict[str, list[list[float]]] = {}
-        carried_epoch: dict[str, float] = {}
-        reading = self.read() if self.source is not None else None
-        if reading is not None:
-            for name, layer in reading.layers.items():
-                interval = self._interval(name, layer)
-                if interval is not None:
-                    carried_counts[name], carried_epoch[name] = interval[0], layer.counts_epoch
-                    if interval[1] is not None:
-                        carried_bins[name] = interval[1]
-        return {
-            "last_counts": self.last_counts,
-            "last_epoch": self.last_epoch,
+        state: dict[str, Any] = {
+            "last_counts": dict(self.last_counts),
+            "last_epoch": dict(self.last_epoch),
             "total_counts": self.total_counts,
             "last_skipped": self.last_skipped,
             "has_baseline": self.has_baseline,
-            "last_bins": self.last_bins,
-            "carried_counts": carried_counts,
-            "carried_bins": carried_bins,
-            "carried_epoch": carried_epoch,
+            "last_bins": dict(self.last_bins),
+            "carried_counts": {},
+            "carried_bins": {},
         }
+        reading = self.read() if self.source is not None else None
+        if reading is None:
+            return state
+        for name, layer in reading.layers.items():
+            interval = self._interval(name, layer)
+            if interval is not None:
+                state["carried_counts"][name] = interval[0]
+                if interval[1] is not None:
+                    state["carried_bins"][name] = interval[1]
+            state["last_counts"][name], state["last_epoch"][name] = layer.counts, layer.counts_epoch
+            if layer.amax_bins:
+                state["last_bins"][name] = layer.amax_bins
+        state["has_baseline"] = True
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -479,7 +480,6 @@ class FP8Stats:
         self.last_bins = state.get("last_bins", {})
         self.carried_counts = state.get("carried_counts", {})
         self.carried_bins = state.get("carried_bins", {})
-        self.carried_epoch = state.get("carried_epoch", {})
 
 
 def _plus(a: list[list[float]], b: list[list[float]] | None) -> list[list[float]]:

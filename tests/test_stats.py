@@ -108,6 +108,47 @@ def test_a_checkpoint_carries_its_unread_interval_to_counters_that_restart(recip
         assert again.total_counts == expected_totals, counters
 
 
+@pytest.mark.parametrize("first, second", [(False, True), (False, False), (True, False), (True, True)])
+def test_resumes_in_a_row_keep_the_unread_counts(first, second):
+    """A checkpoint, a resume, a second checkpoint before any reading, a second resume, each resume restoring the
+    counters (``True``: one rank) or restarting them (``False``): the straight run's metrics and totals. (Restarted
+    then restored lost the first checkpoint's unread counts.)"""
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        lf.convert_to_fp8(m, recipe="delayed")
+        return m
+
+    def steps(m, seed):
+        torch.manual_seed(seed)
+        _steps(m, 1 if seed else 2, scale=30.0)
+
+    straight = model()
+    stats = FP8Stats(straight)
+    _steps(straight, 1)
+    lf.roll_amax_history(straight)
+    stats.metrics()
+    for seed in (0, 1, 2):
+        steps(straight, seed)
+    expected, expected_totals = stats.metrics(), stats.total_counts
+
+    run = model()
+    stats = FP8Stats(run)
+    _steps(run, 1)
+    lf.roll_amax_history(run)
+    stats.metrics()
+    for seed, counters in ((0, first), (1, second)):
+        steps(run, seed)
+        saved_stats, saved_fp8 = copy.deepcopy(stats.state_dict()), lf.fp8_state_dict(run)
+        run = model()
+        lf.load_fp8_state_dict(run, saved_fp8, counters=counters)
+        stats = FP8Stats(run)
+        stats.load_state_dict(saved_stats)
+    steps(run, 2)
+    assert stats.metrics() == expected
+    assert stats.total_counts == expected_totals
+
+
 def test_include_exclude_and_several_models():
     a, b = _model(), nn.Sequential(nn.Linear(32, 32))
     lf.convert_to_fp8(b, recipe="delayed")
