@@ -438,8 +438,9 @@ class FP8Stats:
         """The interval baseline and the totals (plain values), and the counts of the interval not read yet.
 
         Takes a reading (a collective under ``torch.distributed``: call it on every rank, as Lightning's
-        checkpointing and Fabric's ``save`` do), without changing this object. The saved baseline is that reading,
-        and its counts since this object's baseline are saved too (``carried_counts``, ``carried_bins``): the first
+        checkpointing and Fabric's ``save`` do), leaving this object's baseline and totals as they are (it counts in
+        ``fetches``). The saved baseline is that reading, and its counts since this object's baseline are saved too
+        (``carried_counts``, ``carried_bins``): the first
         interval after a resume is the counts since the reading plus them, whether the resumed counters continue
         from the checkpoint's (one rank saved and one loads) or restart from zero (more than one rank; see
         ``docs/checkpoints.md``). So the steps between the last reading and the checkpoint are lost neither from
