@@ -213,23 +213,23 @@ def _inductor_against_eager(recipe: str, device: str) -> list[str]:
         model.zero_grad(set_to_none=True)
         return out
 
+    def counters() -> list[torch.Tensor]:
+        return [model[i].fp8_counts.clone() for model in (eager, twin) for i in (0, 2)]
+
     differ = []
     # eager's bf16 roundings kept in the compiled graphs, forward and backward (compiled at the first backward)
-    patch = torch._inductor.config.patch(emulate_precision_casts=True)
-    patch.__enter__()
-    for i, count in enumerate((True, False, True)):
-        x = torch.randn(96, 64, device=device) * (1 + 3 * i)
-        before = [t.clone() for t in (eager[0].fp8_counts, twin[0].fp8_counts, eager[2].fp8_counts, twin[2].fp8_counts)]
-        pairs = list(zip(step(eager, x, count), step(compiled, x, count)))
-        errors = [_rel(b.float(), a.float()) for a, b in pairs]
-        assert all(math.isfinite(e) and e < 1e-2 for e in errors), (recipe, i, errors)
-        differ += [f"step {i} tensor {k}" for k, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
-        after = (eager[0].fp8_counts, twin[0].fp8_counts, eager[2].fp8_counts, twin[2].fp8_counts)
-        if not count:
-            assert all(torch.equal(a, b) for a, b in zip(before, after)), (recipe, "a step that does not count counted")
-        if i == 0:
-            assert torch.equal(eager[0].fp8_counts[:2], twin[0].fp8_counts[:2]), (recipe, "first forward counts")
-    patch.__exit__(None, None, None)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        for i, count in enumerate((True, False, True)):
+            x = torch.randn(96, 64, device=device) * (1 + 3 * i)
+            before = counters()
+            pairs = list(zip(step(eager, x, count), step(compiled, x, count)))
+            errors = [_rel(b.float(), a.float()) for a, b in pairs]
+            assert all(math.isfinite(e) and e < 1e-2 for e in errors), (recipe, i, errors)
+            differ += [f"step {i} tensor {k}" for k, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
+            if not count:
+                assert all(map(torch.equal, before, counters())), (recipe, "a step that does not count counted")
+            if i == 0:
+                assert torch.equal(eager[0].fp8_counts[:2], twin[0].fp8_counts[:2]), (recipe, "first forward counts")
     state_e, state_c = lf.fp8_state_dict(eager)["tables"][0], lf.fp8_state_dict(twin)["tables"][0]
     differ += [f"state {k}" for k, v in state_e.items() if isinstance(v, torch.Tensor) and not torch.equal(v, state_c[k])]
     return differ

@@ -21,6 +21,14 @@ def _model():
     return model
 
 
+def _seeded_model(recipe="delayed"):
+    """:func:`_model`'s layers with the same weights at every call (a run and its resumed twin)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    lf.convert_to_fp8(model, recipe=recipe)
+    return model
+
+
 def _steps(model, n, scale=1.0):
     for _ in range(n):
         x = torch.randn(8, 32) * scale
@@ -74,13 +82,7 @@ def test_a_checkpoint_carries_its_unread_interval_to_counters_that_restart(recip
     """Steps recorded after the last reading and before a checkpoint: resumed where the counters restart from zero (more
     than one rank saved or loads), the first interval and the totals include them; resumed with the counters restored
     exactly (one rank), they are not counted twice. Both give the straight run's metrics and totals."""
-    def model():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-        lf.convert_to_fp8(m, recipe=recipe)
-        return m
-
-    straight = model()
+    straight = _seeded_model(recipe)
     stats = FP8Stats(straight)
     stats.take_baseline()
     _steps(straight, 1)
@@ -98,7 +100,7 @@ def test_a_checkpoint_carries_its_unread_interval_to_counters_that_restart(recip
     else:  # an interval's histogram of the row amaxes
         assert "fp8/0/input/block_amax_median" in expected
     for counters in (True, False):
-        resumed = model()
+        resumed = _seeded_model(recipe)
         lf.load_fp8_state_dict(resumed, saved_fp8, counters=counters)
         again = FP8Stats(resumed)
         again.load_state_dict(copy.deepcopy(saved_stats))
@@ -113,17 +115,11 @@ def test_resumes_in_a_row_keep_the_unread_counts(first, second):
     """A checkpoint, a resume, a second checkpoint before any reading, a second resume, each resume restoring the
     counters (``True``: one rank) or restarting them (``False``): the straight run's metrics and totals. (Restarted
     then restored lost the first checkpoint's unread counts.)"""
-    def model():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-        lf.convert_to_fp8(m, recipe="delayed")
-        return m
-
     def steps(m, seed):
         torch.manual_seed(seed)
         _steps(m, 1 if seed else 2, scale=30.0)
 
-    straight = model()
+    straight = _seeded_model()
     stats = FP8Stats(straight)
     _steps(straight, 1)
     lf.roll_amax_history(straight)
@@ -132,7 +128,7 @@ def test_resumes_in_a_row_keep_the_unread_counts(first, second):
         steps(straight, seed)
     expected, expected_totals = stats.metrics(), stats.total_counts
 
-    run = model()
+    run = _seeded_model()
     stats = FP8Stats(run)
     _steps(run, 1)
     lf.roll_amax_history(run)
@@ -140,7 +136,7 @@ def test_resumes_in_a_row_keep_the_unread_counts(first, second):
     for seed, counters in ((0, first), (1, second)):
         steps(run, seed)
         saved_stats, saved_fp8 = copy.deepcopy(stats.state_dict()), lf.fp8_state_dict(run)
-        run = model()
+        run = _seeded_model()
         lf.load_fp8_state_dict(run, saved_fp8, counters=counters)
         stats = FP8Stats(run)
         stats.load_state_dict(saved_stats)
