@@ -1,0 +1,66 @@
+"""The module tables of README.md ("Layout") and docs/architecture.md ("Modules, bottom to top") are true: each lists
+every module of ``lightning_fp8/`` (the package's ``__init__.py`` aside) and no other, and each module imports, at
+import time or inside a function, only modules of its own row or of the rows above it, as both pages say.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_fp8"
+PAGES = {"README.md": "## Layout", "docs/architecture.md": "## Modules, bottom to top"}
+
+
+def module_rows(page: str) -> list[set[str]]:
+    """The modules named in the first column of each row of the page's module table, in order."""
+    text = (ROOT / page).read_text()
+    section = text.split(PAGES[page], 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line.split("|")[1]
+        names = {Path(name).stem for name in re.findall(r"`([^`]+\.py)`", first)}
+        if names:
+            rows.append(names)
+    return rows
+
+
+def imported_modules(module: str) -> set[str]:
+    """The ``lightning_fp8`` modules a module imports anywhere in its source (top level or in a function)."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_fp8."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("lightning_fp8.")}
+    return found - {module}
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_the_module_table_lists_every_module_once(page):
+    rows = module_rows(page)
+    listed = [name for row in rows for name in row]
+    on_disk = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+    assert len(listed) == len(set(listed)), f"{page}: a module listed twice"
+    assert set(listed) == on_disk, f"{page}: missing {sorted(on_disk - set(listed))}, not a module {sorted(set(listed) - on_disk)}"
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_each_module_imports_only_the_rows_above_it(page):
+    rows = module_rows(page)
+    above: set[str] = set()
+    wrong = []
+    for row in rows:
+        allowed = above | row
+        for module in sorted(row):
+            if (PACKAGE / f"{module}.py").exists():
+                wrong += [f"{module} imports {other}" for other in sorted(imported_modules(module) - allowed)]
+        above |= row
+    assert not wrong, f"{page}: a module imports one listed below it: {wrong}"
