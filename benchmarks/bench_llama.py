@@ -69,12 +69,14 @@ with status 1 then.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -783,8 +785,10 @@ def plot(data: dict[str, Any], path: str) -> None:
 def fresh_compile_cache() -> str:
     """Point inductor's (and Triton's) on-disk caches at a new empty directory, for this process: every variant then
     compiles cold, so compile times compare like for like (otherwise a variant whose code did not change since an
-    earlier run, such as torchao's, compiles from the cache). Returns the directory."""
+    earlier run, such as torchao's, compiles from the cache). Returns the directory, which is removed when the process
+    exits (a cold cache of this benchmark holds about a hundred MB)."""
     path = tempfile.mkdtemp(prefix="bench_llama_compile_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
     return path

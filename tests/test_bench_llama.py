@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -254,6 +255,17 @@ def test_command_line_help_names_the_flags(capsys):
     for flag in ("--large", "--sizes", "--no-compile", "--cold-compile", "--compile-budget", "--reps", "--warmup", "--threads", "--json",
                  "--plot", "--replot", "--peak-bf16-tflops", "--peak-fp8-tflops"):
         assert flag in text, flag
+
+
+def test_the_cold_compile_cache_is_removed_when_the_benchmark_exits(tmp_path):
+    """A cold cache holds about a hundred MB of compiled code: it must not stay in the temporary folder after a run."""
+    code = "import bench_llama; print(bench_llama.fresh_compile_cache())"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    assert path.parent == tmp_path and path.name.startswith("bench_llama_compile_")
+    assert not path.exists() and not any(tmp_path.iterdir())
 
 
 def test_cold_compile_uses_an_empty_cache_and_says_so(result, monkeypatch):

@@ -1,12 +1,15 @@
 """The module tables of README.md ("Layout") and docs/architecture.md ("Modules, bottom to top") are true: each lists
 every module of ``lightning_fp8/`` (the package's ``__init__.py`` aside) and no other, and each module imports, at
-import time or inside a function, only modules of its own row or of the rows above it, as both pages say.
+import time or inside a function, only modules of its own row or of the rows above it, as both pages say. And the test helpers' Trainers leave no folder behind in the temporary folder.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,15 @@ def test_each_module_imports_only_the_rows_above_it(page):
                 wrong += [f"{module} imports {other}" for other in sorted(imported_modules(module) - allowed)]
         above |= row
     assert not wrong, f"{page}: a module imports one listed below it: {wrong}"
+
+
+def test_the_trainers_of_the_test_helpers_leave_no_folder_behind(tmp_path):
+    """``tests/utils.py``'s ``make_trainer`` gives each Trainer a temporary ``default_root_dir``; a suite makes
+    hundreds of them, and they are removed when the process exits."""
+    code = "import utils; a, b = utils.make_trainer(), utils.make_trainer(); print(a.default_root_dir, b.default_root_dir)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = map(Path, proc.stdout.split()[-2:])
+    assert first != second and tmp_path in first.parents and tmp_path in second.parents
+    assert not any(tmp_path.iterdir())

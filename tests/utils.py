@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -28,11 +31,20 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@functools.cache
+def _trainer_dirs() -> str:
+    """One temporary folder per process for the Trainers' ``default_root_dir``, removed when the process exits."""
+    path = tempfile.mkdtemp(prefix="lightning_fp8_test_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def make_trainer(plugin=None, **kwargs) -> L.Trainer:
     """A quiet CPU Trainer: no progress bar, summary, checkpointing, sanity check, or logger unless given; its
-    ``default_root_dir`` is a fresh temporary folder unless given (end-of-fit files never land in the checkout)."""
+    ``default_root_dir`` is a fresh temporary folder unless given (end-of-fit files never land in the checkout; the
+    folders are removed when the test process exits)."""
     defaults = dict(
-        default_root_dir=tempfile.mkdtemp(prefix="lightning_fp8_test_"),
+        default_root_dir=tempfile.mkdtemp(dir=_trainer_dirs()),
         accelerator="cpu",
         devices=1,
         logger=False,
