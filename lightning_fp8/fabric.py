@@ -54,6 +54,7 @@ nothing of it is inherited.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import weakref
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -95,6 +96,7 @@ from lightning_fp8.region import fp8_region
 from lightning_fp8.state import (
     FP8StateTable, fp8_layers, fp8_state_dict, load_fp8_state_dict, state_tables, without_orig_mod,
 )
+from lightning_fp8.stats import FP8Stats
 
 log = logging.getLogger(__name__)
 
@@ -991,3 +993,50 @@ class FP8Precision(FP8PrecisionBase, HalfPrecision):
         """Step through the loss scaler (skipping non-finite steps), then the FP8 bookkeeping."""
         self._check_optimizer(optimizer)
         return self._step(optimizer, **kwargs)
+
+
+# ------------------------------------------------------------------ fabric.load of a distributed checkpoint folder
+
+
+def _loading_into_fp8_objects(load_checkpoint: Any) -> Any:
+    """Wrap Fabric's ``ModelParallelStrategy.load_checkpoint`` so that ``fabric.load`` restores the FP8 plugin and
+    :class:`~lightning_fp8.FP8Stats` readers of its ``state`` in place, from a distributed checkpoint folder too.
+
+    Why: ``fabric.load(path, {"model": ..., "optimizer": ..., "fp8": plugin, "stats": stats})`` promises to restore the
+    given objects in place, and does so from a single-file checkpoint (Lightning calls their ``load_state_dict``). From
+    a folder written by ``ModelParallelStrategy`` (FSDP2, tensor parallelism), Lightning 2.6's
+    ``lightning.fabric.strategies.model_parallel._load_checkpoint`` puts the saved dictionaries in the state instead
+    (``state[key] = metadata.pop(key)``) and never calls ``load_state_dict``: the run resumed silently with empty amax
+    histories, the initial loss scale and a reader that had forgotten the run so far. The wrapper loads each such
+    object from the dictionary that replaced it and puts the object back, as the single-file branch does. It acts
+    only on lightning-fp8's objects, and on nothing where Lightning restored them itself (the object is still in the
+    state); other objects keep Lightning's behaviour. The Trainer is not affected: its plugin state is restored by the
+    Trainer's own checkpoint connector.
+    """
+
+    @functools.wraps(load_checkpoint)
+    def load(self: Any, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> Any:
+        ours = {}
+        if isinstance(state, dict):
+            ours = {key: obj for key, obj in state.items() if isinstance(obj, (FP8PrecisionBase, FP8Stats))}
+        remainder = load_checkpoint(self, path, state=state, strict=strict, **kwargs)
+        for key, obj in ours.items():
+            loaded = state.get(key)
+            if loaded is not obj:
+                obj.load_state_dict(loaded)
+                state[key] = obj
+        return remainder
+
+    load._lightning_fp8_loads_fp8_objects = True  # type: ignore[attr-defined]
+    return load
+
+
+def _patch_model_parallel_load() -> None:
+    """Install :func:`_loading_into_fp8_objects` on Fabric's ``ModelParallelStrategy`` (once)."""
+    from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+
+    if not getattr(ModelParallelStrategy.load_checkpoint, "_lightning_fp8_loads_fp8_objects", False):
+        ModelParallelStrategy.load_checkpoint = _loading_into_fp8_objects(ModelParallelStrategy.load_checkpoint)
+
+
+_patch_model_parallel_load()

@@ -111,6 +111,24 @@ def test_trainer_fsdp2_distributed_checkpoint_resumes_exactly(trainer_runs):
     assert ckpt.is_dir() and (ckpt / ".metadata").exists()
 
 
+@pytest.mark.slow
+@TRAINER_RUNS
+def test_trainer_fsdp2_distributed_checkpoint_resumes_into_another_parallel_split(trainer_runs):
+    """The folder written by data parallel 2 resumed into tensor parallel 2 x data parallel 1: the FP8 state is the
+    checkpoint's when training starts, and the second epoch trains like the uninterrupted run."""
+    fsdp = load(trainer_runs.fsdp2 / "fsdp2.pt")
+    saved, start = per_layer(fsdp["fp8_first"]), per_layer(fsdp["tp_resumed_start"])
+    assert saved.keys() == start.keys()
+    for name in saved:
+        for key in ("amax_history", "scale", "initialized"):
+            assert torch.equal(saved[name][key], start[name][key]), (name, key)
+    second_epoch = fsdp["losses"][len(fsdp["losses"]) // 2 :]
+    assert len(fsdp["tp_resumed_losses"]) == len(second_epoch) == 4
+    assert_losses_close(fsdp["tp_resumed_losses"], second_epoch)
+    for name, value in fsdp["state"].items():
+        assert torch.allclose(fsdp["tp_resumed"][name], value, rtol=0, atol=0.05), name
+
+
 def _consolidate_run(workdir):
     """Lightning's command line on the FSDP2 run's distributed checkpoint, once the 2-process checks are done."""
 
@@ -217,6 +235,25 @@ def test_fabric_fsdp2_matches_one_process_and_resumes_exactly(gloo_runs):
     assert tp["weight_types"]["_forward_module.blocks.0.fc"] == ("FP8ShardedWeight", ["_S(0, 2)", "S(0)"])
     for name, value in tp["state"].items():
         assert torch.equal(value, tp["resumed"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.gloo("fsdp2_fabric_resume")
+def test_fabric_load_of_a_distributed_checkpoint_restores_the_plugin_and_the_stats_reader(gloo_runs):
+    """``fabric.load(folder, {..., "fp8": plugin, "stats": stats})`` under ``ModelParallelStrategy``: Lightning's folder
+    branch put the saved dicts in the state instead of loading them into the objects, so the run resumed silently with
+    empty amax histories, the initial loss scale and a reader that had lost the first half of the run. ``delayed`` with
+    float16 dynamic loss scaling: the resume is exact only if both were restored."""
+    result = load(gloo_runs.folder("fsdp2_fabric_resume") / "fabric_resume.pt")
+    straight, resumed = result["straight"], result["resumed"]
+    assert resumed["loaded"] == {"fp8": "FP8Precision", "stats": "FP8Stats", "remainder": []}  # objects, not dicts
+    assert resumed["loss_scale"] == straight["loss_scale"] > 2.0**10  # grown from init_scale, step by step
+    for name, value in straight["weights"].items():
+        assert torch.equal(value, resumed["weights"][name]), name
+    (before,), (after,) = straight["fp8"]["tables"], resumed["fp8"]["tables"]
+    for key in ("scale", "amax_history", "initialized"):
+        assert torch.equal(before[key], after[key]), key
+    assert resumed["totals"] == straight["totals"] and straight["totals"]["blocks.0.qkv"][0][0] == 2 * 8 * 4 * 32 * 128
 
 
 # ------------------------------------------------------------------------------------------------ in-process pieces

@@ -3,7 +3,8 @@
 
 Usage: fsdp2_fabric.py OUT_DIR RECIPE MODE, MODE ``single``, ``fsdp2`` or ``tp``. Eight AdamW steps on global batches
 of 8 (``fsdp2``: 4 per rank), straight; then 4 steps, ``fabric.save`` (a distributed checkpoint folder), a fresh model
-and optimizer, ``fabric.load``, 4 more steps: the weights must be those of the straight run, bit for bit. ``tp``:
+and optimizer, ``fabric.load``, 4 more steps (each run a new Fabric with a plugin of its own, as a new process): the
+weights must be those of the straight run, bit for bit. ``tp``:
 tensor parallel 2 x data parallel 1 (the MLPs and the LM head with lightning_fp8's styles, then FSDP2 on the
 data-parallel mesh), both ranks on the same batches.
 
@@ -51,14 +52,19 @@ def single_process(recipe, mode):
 
 
 def main(out_dir, recipe, mode):
-    plugin = FP8Precision(recipe=recipe)
-    if mode == "single":
-        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    else:
-        tp = 2 if mode == "tp" else 1
-        strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2 // tp, tensor_parallel_size=tp)
-        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
-    fabric.launch()
+    def new_fabric():
+        """A Fabric with a plugin of its own: each run below is a new training run, as a resume in a new process."""
+        plugin = FP8Precision(recipe=recipe)
+        if mode == "single":
+            fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        else:
+            tp = 2 if mode == "tp" else 1
+            strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2 // tp, tensor_parallel_size=tp)
+            fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+        fabric.launch()
+        return fabric, plugin
+
+    fabric, _ = new_fabric()
     data = loader(n=32 * 32 + 1, batch_size=8).dataset
     windows = torch.stack([data[i][0] for i in range(len(data))]), torch.stack([data[i][1] for i in range(len(data))])
     rank, world = fabric.global_rank, fabric.world_size
@@ -74,6 +80,7 @@ def main(out_dir, recipe, mode):
 
 
     def run(steps, start=0, state=None):
+        fabric, plugin = new_fabric()
         torch.manual_seed(0 if state is None else 1)  # a resumed run starts from another init: all must come from the file
         model = fabric.setup_module(TinyDecoder(dim=DIM, heads=4, layers=2))
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -92,7 +99,7 @@ def main(out_dir, recipe, mode):
                 dist.all_reduce(loss)
                 loss /= world
             losses.append(loss.item())
-        return model, optimizer, losses
+        return fabric, model, optimizer, plugin, losses
 
 
     def full_state(model):
@@ -103,7 +110,7 @@ def main(out_dir, recipe, mode):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-    model, _, losses = run(STEPS)
+    _, model, _, _, losses = run(STEPS)
     straight = full_state(model)
     weight_types = {
         n: (type(getattr(m.weight, "_local_tensor", m.weight)).__name__, [str(p) for p in getattr(m.weight, "placements", ())])
@@ -114,10 +121,10 @@ def main(out_dir, recipe, mode):
     result = {"losses": losses, "state": straight, "weight_types": weight_types, "fp8": fp8_straight}
     if mode != "single":
         torch.save(fp8_straight, os.path.join(out_dir, f"fabric_{mode}_fp8_rank{fabric.global_rank}.pt"))
-        model, optimizer, _ = run(STEPS // 2)
+        saving, model, optimizer, plugin, _ = run(STEPS // 2)
         ckpt = os.path.join(out_dir, "fabric.ckpt")
-        fabric.save(ckpt, {"model": model, "optimizer": optimizer, "fp8": plugin})
-        resumed, _, _ = run(STEPS // 2, start=STEPS // 2, state=ckpt)
+        saving.save(ckpt, {"model": model, "optimizer": optimizer, "fp8": plugin})
+        _, resumed, _, _, _ = run(STEPS // 2, start=STEPS // 2, state=ckpt)
         result["resumed"] = full_state(resumed)
         result["fp8_resumed"] = lf.fp8_state_dict(resumed)
     if fabric.global_rank == 0:

@@ -5,7 +5,8 @@ Usage: fsdp2_train.py OUT_DIR RECIPE MODE, MODE one of
   single     one process, batch 8: the reference losses and weights;
   fsdp2      2 processes (batch 4 each: the same global batches), float32 parameters: losses, weights, FP8 state of each
              rank, then a distributed checkpoint after one epoch and an exact resume; validation every 2 steps (FSDP2
-             keeps the root's parameters, the LM head's among them, unsharded after an evaluation forward);
+             keeps the root's parameters, the LM head's among them, unsharded after an evaluation forward); the same
+             checkpoint resumed into tensor parallel 2 x data parallel 1;
   tp         2 processes, tensor parallel 2 x data parallel 1: the MLPs column-wise / row-wise and the LM head
              column-wise (torch's ColwiseParallel / RowwiseParallel), then FSDP2 over the data-parallel mesh (FP8 all-gather
              on a 2-D mesh): losses and weights (the same batches on both ranks);
@@ -112,6 +113,13 @@ class Record(L.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.val_losses.append(self.mean(outputs))
         COUNTER[0] = 0
+
+
+class AtTrainStart(L.Callback):
+    """The model's FP8 state when training starts (after a checkpoint was restored)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.fp8 = lf.fp8_state_dict(pl_module)
 
 
 COUNTER = [0]
@@ -241,6 +249,12 @@ def main(out_dir, recipe, mode):
         t = trainer(out_dir, recipe, 2, Record(), 2, validate=True)
         t.fit(resumed, ckpt_path=ckpt)
         resumed_state = full_state(resumed)
+
+        # the same folder into another split: tensor parallel 2 x data parallel 1
+        start, tp_record = AtTrainStart(), Record()
+        tp_resumed = fresh(1)
+        trainer(out_dir, recipe, 2, tp_record, 2, tp=2, callbacks=[start]).fit(tp_resumed, ckpt_path=ckpt)
+        tp_state = full_state(tp_resumed)
         if rank == 0:
             torch.save(
                 {
@@ -253,6 +267,10 @@ def main(out_dir, recipe, mode):
                     "fp8": lf.fp8_state_dict(straight),
                     "fp8_resumed": lf.fp8_state_dict(resumed),
                     "first": first_state,
+                    "fp8_first": lf.fp8_state_dict(first),
+                    "tp_resumed_start": start.fp8,
+                    "tp_resumed_losses": tp_record.losses,
+                    "tp_resumed": tp_state,
                 },
                 os.path.join(out_dir, "fsdp2.pt"),
             )
