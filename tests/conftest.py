@@ -318,7 +318,7 @@ class GlooRuns:
                 f"{check} raised:\n" + "\n".join(f"{e.name}:\n{e.read_text()}" for e in errors) + tail, pytrace=False
             )
         plan = json.loads((self.out / "plan.json").read_text()) if (self.out / "plan.json").exists() else {}
-        ranks = (0,) if check in plan.get("single", ()) else (0, 1)
+        ranks = (0,) if check in plan.get("single", ()) else tuple(range(plan.get("world", 2)))
         missing = [rank for rank in ranks if not (path / f"done_rank{rank}").exists()]
         if missing:
             pytest.fail(f"{check} did not complete on rank(s) {missing}" + tail, pytrace=False)

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from conftest import GLOO_CHECKS, GlooRuns
 from utils import gloo_check_folder
 
 import lightning_fp8 as lf
@@ -1037,8 +1038,51 @@ def _one_rank_run(workdir):
     return {"args": args, "cwd": workdir, "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "timeout": 300}
 
 
+TWO_D = "fsdp2_2d/delayed"
+
+
+def _two_d_run(workdir):
+    """tests/scripts/gloo_checks.py with 4 processes: the 2-D (data parallel 2 x tensor parallel 2) check."""
+    out = workdir / "checks"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_WORLD_SIZE": "4"}
+    return {"args": [sys.executable, GLOO_CHECKS, out, TWO_D], "cwd": out, "env": env, "timeout": 600}
+
+
 # started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
-EARLY_RUNS = {"consolidate_run": _consolidate_run, "example_run": _example_run, "one_rank_run": _one_rank_run}
+EARLY_RUNS = {
+    "consolidate_run": _consolidate_run, "example_run": _example_run, "one_rank_run": _one_rank_run, "two_d_runs": _two_d_run,
+}  # fmt: skip
+
+
+@pytest.fixture
+def two_d_runs(early_runs):
+    run = early_runs.result(__name__, "two_d_runs")
+    return GlooRuns(run.workdir / "checks", [TWO_D], run)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo(TRAINER_SINGLE)
+def test_trainer_two_dimensional_parallelism_matches_one_process_and_gathers_fp8(gloo_runs, two_d_runs):
+    """Data parallel 2 x tensor parallel 2 on 4 processes, ``delayed``: the losses of one process on the same global
+    batches; at every forward (training and validation) each FP8-gathered weight is bit for bit the cast of its
+    tensor-parallel piece by the scale of the whole weight (the history's once it has one); all ranks agree on every
+    amax history and scale."""
+    folder = two_d_runs.folder(TWO_D)
+    ranks = [load(folder / f"rank{rank}.pt") for rank in range(4)]
+    single = load(gloo_runs.folder(TRAINER_SINGLE) / "single.pt")
+    assert_losses_close(ranks[0]["losses"], single["losses"])
+    assert_losses_close(ranks[0]["val_losses"], single["val_losses"])
+    placements = ranks[0]["placements"]  # (data parallel, tensor parallel) while sharded
+    assert placements["blocks.0.fc"] == ["_S(0, 2)", "S(0)"] and placements["blocks.0.out"] == ["S(0)", "S(1)"]
+    forwards = len(single["losses"]) + len(single["val_losses"])
+    for rank, result in enumerate(ranks):
+        assert len(result["checks"]) == 9 * forwards, rank  # 9 FP8 layers, every forward checked
+        wrong = [row for row in result["checks"] if not (row[1] and row[2])]
+        assert not wrong, (rank, wrong[:5])
+        for table, first in zip(result["fp8"]["tables"], ranks[0]["fp8"]["tables"]):
+            for key in ("amax_history", "scale", "initialized"):
+                assert torch.equal(table[key], first[key]), (rank, key)
 
 
 @pytest.fixture

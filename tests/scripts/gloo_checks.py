@@ -7,7 +7,7 @@ Usage: gloo_checks.py OUT_DIR CHECK [CHECK ...]. A CHECK is ``SCRIPT/ARG/...`` (
 :func:`folder` of the check, each check in its own folder.
 
 This process is rank 0. It starts rank 1 first (this command line, ``LOCAL_RANK=1``), so that the two import in
-parallel; then it runs, alone, the checks whose script's ``single_process(*ARGS)`` is true (the one-process references,
+parallel (with ``GLOO_WORLD_SIZE=N`` in the environment: N processes, ranks 1 to N-1 started first); then it runs, alone, the checks whose script's ``single_process(*ARGS)`` is true (the one-process references,
 before any process group exists, as their scripts run them on their own); then both ranks set up the process group as
 torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``RANK``) and run the other checks, in
 the order given. Lightning's Trainer and Fabric find the process group and the environment and launch nothing.
@@ -68,24 +68,29 @@ def free_port() -> int:
 
 def main(out_dir: str, checks: list[str]) -> int:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    child = None
+    world = int(os.environ.get("GLOO_WORLD_SIZE", "2"))
+    children = []
     if rank == 0:
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": "2",
+            "WORLD_SIZE": str(world),
             "NODE_RANK": "0",
         }
-        child = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), out_dir, *checks], env={**env, "LOCAL_RANK": "1", "RANK": "1"}
-        )
+        children = [
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), out_dir, *checks],
+                env={**env, "LOCAL_RANK": str(r), "RANK": str(r)},
+            )
+            for r in range(1, world)
+        ]
     single = [c for c in checks if getattr(parse(c)[0], "single_process", lambda *args: False)(*parse(c)[1])]
     distributed = [c for c in checks if c not in single]
     ok = True
     if rank == 0:
         with open(os.path.join(out_dir, "plan.json"), "w") as f:
-            json.dump({"single": single, "distributed": distributed}, f)
+            json.dump({"single": single, "distributed": distributed, "world": world}, f)
         for check in single:
             ok &= run(check, out_dir, 0)
         os.environ.update(
@@ -99,7 +104,7 @@ def main(out_dir: str, checks: list[str]) -> int:
         ok &= run(check, out_dir, rank)
     dist.barrier()
     dist.destroy_process_group()
-    if child is not None:
+    for child in children:
         ok &= child.wait() == 0
     return 0 if ok else 1
 
