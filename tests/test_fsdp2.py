@@ -257,6 +257,24 @@ def test_fabric_load_of_a_distributed_checkpoint_restores_the_plugin_and_the_sta
     assert resumed["totals"] == straight["totals"] and straight["totals"]["blocks.0.qkv"][0][0] == 2 * 8 * 4 * 32 * 128
 
 
+@pytest.mark.slow
+@pytest.mark.gloo("fsdp2_fabric/tensorwise/single")
+def test_fabric_hsdp_matches_one_process_and_resumes_exactly(gloo_runs, two_d_runs):
+    """HSDP through Fabric: FSDP2 on a (replicate 2, shard 2) mesh of 4 processes, FP8 all-gather within each replica
+    group: the one-process losses, one weight scale on all 4 ranks, and an exact resume from a checkpoint folder."""
+    folder = two_d_runs.folder(HSDP)
+    hsdp, single = load(folder / "fabric_hsdp.pt"), load(gloo_runs.folder("fsdp2_fabric/tensorwise/single") / "fabric_single.pt")
+    assert len(hsdp["weight_types"]) == 9
+    assert all(kind == ("FP8ShardedWeight", ["R", "S(0)"]) for kind in hsdp["weight_types"].values()), hsdp["weight_types"]
+    assert_losses_close(hsdp["losses"], single["losses"])
+    for name, value in hsdp["state"].items():
+        assert torch.equal(value, hsdp["resumed"][name]), name
+    ranks = [per_layer(torch.load(folder / f"fabric_hsdp_fp8_rank{rank}.pt", weights_only=True)) for rank in range(4)]
+    for name in ranks[0]:
+        for other in ranks[1:]:
+            assert torch.equal(ranks[0][name]["scale"][WEIGHT], other[name]["scale"][WEIGHT]), name
+
+
 # ------------------------------------------------------------------------------------------------ in-process pieces
 
 
@@ -1038,15 +1056,15 @@ def _one_rank_run(workdir):
     return {"args": args, "cwd": workdir, "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "timeout": 300}
 
 
-TWO_D = "fsdp2_2d/delayed"
+TWO_D, HSDP = "fsdp2_2d/delayed", "fsdp2_fabric/tensorwise/hsdp"  # the checks of the 4-process launch
 
 
 def _two_d_run(workdir):
-    """tests/scripts/gloo_checks.py with 4 processes: the 2-D (data parallel 2 x tensor parallel 2) check."""
+    """tests/scripts/gloo_checks.py with 4 processes: 2-D (data parallel 2 x tensor parallel 2) and HSDP."""
     out = workdir / "checks"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_WORLD_SIZE": "4"}
-    return {"args": [sys.executable, GLOO_CHECKS, out, TWO_D], "cwd": out, "env": env, "timeout": 600}
+    return {"args": [sys.executable, GLOO_CHECKS, out, TWO_D, HSDP], "cwd": out, "env": env, "timeout": 600}
 
 
 # started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")
@@ -1058,7 +1076,7 @@ EARLY_RUNS = {
 @pytest.fixture
 def two_d_runs(early_runs):
     run = early_runs.result(__name__, "two_d_runs")
-    return GlooRuns(run.workdir / "checks", [TWO_D], run)
+    return GlooRuns(run.workdir / "checks", [TWO_D, HSDP], run)
 
 
 @pytest.mark.slow

@@ -1,12 +1,12 @@
 """Run by tests/test_fsdp2.py: FP8 training with FSDP2 through Fabric's ModelParallelStrategy, 2 CPU processes on gloo
 (or one process without a strategy: the reference).
 
-Usage: fsdp2_fabric.py OUT_DIR RECIPE MODE, MODE ``single``, ``fsdp2`` or ``tp``. Eight AdamW steps on global batches
-of 8 (``fsdp2``: 4 per rank), straight; then 4 steps, ``fabric.save`` (a distributed checkpoint folder), a fresh model
-and optimizer, ``fabric.load``, 4 more steps (each run a new Fabric with a plugin of its own, as a new process): the
-weights must be those of the straight run, bit for bit. ``tp``:
-tensor parallel 2 x data parallel 1 (the MLPs and the LM head with lightning_fp8's styles, then FSDP2 on the
-data-parallel mesh), both ranks on the same batches.
+Usage: fsdp2_fabric.py OUT_DIR RECIPE MODE, MODE ``single``, ``fsdp2``, ``tp`` or ``hsdp``. Eight AdamW steps on
+global batches of 8 (``fsdp2``: 4 per rank), straight; then 4 steps, ``fabric.save`` (a distributed checkpoint folder),
+a fresh model and optimizer, ``fabric.load``, 4 more steps (each run a new Fabric with a plugin of its own, as a new
+process): the weights must be those of the straight run, bit for bit. ``tp``: tensor parallel 2 x data parallel 1 (the
+MLPs and the LM head with lightning_fp8's styles, then FSDP2 on the data-parallel mesh), both ranks on the same batches.
+``hsdp``: 4 processes (``GLOO_WORLD_SIZE=4``), FSDP2 on a (replicate 2, shard 2) mesh, 2 windows per rank.
 
 Or ``main(OUT_DIR, RECIPE, MODE)`` from tests/scripts/gloo_checks.py (``single`` there runs before the launch, in the
 first process only: ``single_process``).
@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
 from models import TinyDecoder, loader  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
@@ -47,6 +48,16 @@ def parallelize(model, device_mesh):
     return model
 
 
+def parallelize_hsdp(model, device_mesh):
+    """HSDP: FSDP2 on a (replicate 2, shard 2) mesh of the 4 processes, which Fabric's data-parallel mesh spans."""
+    lf.prepare_for_sharding(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def single_process(recipe, mode):
     return mode == "single"
 
@@ -57,6 +68,9 @@ def main(out_dir, recipe, mode):
         plugin = FP8Precision(recipe=recipe)
         if mode == "single":
             fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        elif mode == "hsdp":
+            strategy = ModelParallelStrategy(parallelize_fn=parallelize_hsdp, data_parallel_size=4, tensor_parallel_size=1)
+            fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy, plugins=[plugin])
         else:
             tp = 2 if mode == "tp" else 1
             strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2 // tp, tensor_parallel_size=tp)
