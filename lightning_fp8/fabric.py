@@ -57,6 +57,7 @@ import fnmatch
 import functools
 import logging
 import weakref
+from collections.abc import MutableMapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Literal
 
@@ -1015,11 +1016,11 @@ def _loading_into_fp8_objects(load_checkpoint: Any) -> Any:
     """
 
     @functools.wraps(load_checkpoint)
-    def load(self: Any, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> Any:
+    def load(self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
         ours = {}
-        if isinstance(state, dict):
+        if isinstance(state, MutableMapping):  # Lightning's branch takes any mapping it can assign into
             ours = {key: obj for key, obj in state.items() if isinstance(obj, (FP8PrecisionBase, FP8Stats))}
-        remainder = load_checkpoint(self, path, state=state, strict=strict, **kwargs)
+        remainder = load_checkpoint(self, path, state=state, strict=strict, weights_only=weights_only)
         for key, obj in ours.items():
             loaded = state.get(key)
             if loaded is not obj:

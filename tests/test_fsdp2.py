@@ -246,15 +246,17 @@ def test_fabric_load_of_a_distributed_checkpoint_restores_the_plugin_and_the_sta
     empty amax histories, the initial loss scale and a reader that had lost the first half of the run. ``delayed`` with
     float16 dynamic loss scaling: the resume is exact only if both were restored."""
     result = load(gloo_runs.folder("fsdp2_fabric_resume") / "fabric_resume.pt")
-    straight, resumed = result["straight"], result["resumed"]
-    assert resumed["loaded"] == {"fp8": "FP8Precision", "stats": "FP8Stats", "remainder": []}  # objects, not dicts
-    assert resumed["loss_scale"] == straight["loss_scale"] > 2.0**10  # grown from init_scale, step by step
-    for name, value in straight["weights"].items():
-        assert torch.equal(value, resumed["weights"][name]), name
-    (before,), (after,) = straight["fp8"]["tables"], resumed["fp8"]["tables"]
-    for key in ("scale", "amax_history", "initialized"):
-        assert torch.equal(before[key], after[key]), key
-    assert resumed["totals"] == straight["totals"] and straight["totals"]["blocks.0.qkv"][0][0] == 2 * 8 * 4 * 32 * 128
+    straight = result["straight"]
+    assert straight["totals"]["blocks.0.qkv"][0][0] == 2 * 8 * 4 * 32 * 128
+    for resumed in (result["resumed"], result["resumed_from_a_mapping"]):  # the state a dict, or a UserDict
+        assert resumed["loaded"] == {"fp8": "FP8Precision", "stats": "FP8Stats", "remainder": []}  # objects, not dicts
+        assert resumed["loss_scale"] == straight["loss_scale"] > 2.0**10  # grown from init_scale, step by step
+        for name, value in straight["weights"].items():
+            assert torch.equal(value, resumed["weights"][name]), name
+        (before,), (after,) = straight["fp8"]["tables"], resumed["fp8"]["tables"]
+        for key in ("scale", "amax_history", "initialized"):
+            assert torch.equal(before[key], after[key]), key
+        assert resumed["totals"] == straight["totals"]
 
 
 @pytest.mark.slow
@@ -276,6 +278,29 @@ def test_fabric_hsdp_matches_one_process_and_resumes_exactly(gloo_runs, two_d_ru
 
 
 # ------------------------------------------------------------------------------------------------ in-process pieces
+
+
+def test_the_wrapped_fabric_load_checkpoint_takes_the_same_arguments():
+    """lightning_fp8 wraps Fabric's ``ModelParallelStrategy.load_checkpoint`` (see
+    test_fabric_load_of_a_distributed_checkpoint_restores_the_plugin_and_the_stats_reader): every argument reaches
+    Lightning's, by position or by name, and a state without lightning-fp8 objects is left to Lightning."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from lightning_fp8.fabric import _loading_into_fp8_objects
+
+    assert getattr(ModelParallelStrategy.load_checkpoint, "_lightning_fp8_loads_fp8_objects", False)
+    calls = []
+
+    def original(self, path, state=None, strict=True, weights_only=None):
+        calls.append((path, state, strict, weights_only))
+        state["other"] = {"replaced": True}  # Lightning's folder branch: a saved dict instead of the object
+        return {}
+
+    wrapped = _loading_into_fp8_objects(original)
+    state = {"other": object()}
+    assert wrapped(None, "ckpt", state, False, True) == {} and wrapped(None, path="ckpt", state=state, weights_only=False) == {}
+    assert calls == [("ckpt", state, False, True), ("ckpt", state, True, False)]
+    assert state["other"] == {"replaced": True}
 
 
 def test_which_recipes_gather_in_fp8():

@@ -5,11 +5,13 @@ every step): the amax histories, scales and loss scale decide the numbers, so th
 restored the plugin (Lightning 2.6's folder branch hands back the saved dicts instead: lightning_fp8.fabric patches it).
 
 Three Fabrics, one after the other in the same processes: 8 steps straight; 4 steps and ``fabric.save``; a fresh
-model, plugin and reader, ``fabric.load``, 4 more steps. ``main(OUT_DIR)`` from tests/scripts/gloo_checks.py.
+model, plugin and reader, ``fabric.load``, 4 more steps; the same with the state in a ``UserDict``. ``main(OUT_DIR)``
+from tests/scripts/gloo_checks.py.
 """
 
 import os
 import sys
+from collections import UserDict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -44,7 +46,7 @@ def main(out_dir):
     data = loader(n=32 * 32 + 1, batch_size=8).dataset
     windows = torch.stack([data[i][0] for i in range(len(data))]), torch.stack([data[i][1] for i in range(len(data))])
 
-    def run(start, steps, load_from=None, save_to=None):
+    def run(start, steps, load_from=None, save_to=None, mapping=dict):
         plugin = FP8Precision(recipe="delayed", compute_dtype=torch.float16, init_scale=2.0**10, growth_interval=1)
         strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
         fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
@@ -53,7 +55,7 @@ def main(out_dir):
         model = fabric.setup_module(TinyDecoder(dim=128, heads=4, layers=2))
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
         stats = lf.FP8Stats(plugin)
-        state = {"model": model, "optimizer": optimizer, "fp8": plugin, "stats": stats}
+        state = mapping({"model": model, "optimizer": optimizer, "fp8": plugin, "stats": stats})
         loaded = {}
         if load_from is not None:
             remainder = fabric.load(load_from, state)
@@ -82,5 +84,7 @@ def main(out_dir):
     checkpoint = os.path.join(out_dir, "fabric_delayed.ckpt")
     run(0, STEPS // 2, save_to=checkpoint)
     resumed = run(STEPS // 2, STEPS // 2, load_from=checkpoint)
+    resumed_from_a_mapping = run(STEPS // 2, STEPS // 2, load_from=checkpoint, mapping=UserDict)  # any mutable mapping
     if dist.get_rank() == 0:
-        torch.save({"straight": straight, "resumed": resumed}, os.path.join(out_dir, "fabric_resume.pt"))
+        result = {"straight": straight, "resumed": resumed, "resumed_from_a_mapping": resumed_from_a_mapping}
+        torch.save(result, os.path.join(out_dir, "fabric_resume.pt"))
