@@ -1,8 +1,9 @@
 """Run by tests/test_fsdp2.py: 2-D parallelism, data parallel 2 x tensor parallel 2, through the Trainer's
 ``ModelParallelStrategy`` on 4 CPU processes (tests/scripts/gloo_checks.py with ``GLOO_WORLD_SIZE=4``).
 
-``main(OUT_DIR, RECIPE)``: the model and data of tests/scripts/fsdp2_train.py (the MLPs column-/row-wise and the LM head
-column-wise with lightning_fp8's styles, then FSDP2 over the data-parallel mesh), 2 epochs with validation every 2 steps.
+``main(OUT_DIR, RECIPE)``: the model and data of tests/scripts/fsdp2_train.py (the MLPs column-/row-wise and the LM
+head column-wise with lightning_fp8's styles, then FSDP2 over the data-parallel mesh), 2 epochs with validation every 2
+steps.
 Before every forward of an FP8 layer whose weight FSDP2 gathered in FP8, the float32 shards of all 4 ranks are gathered
 by hand into the tensor-parallel rank's weight and into the whole weight, and the gathered FP8 weight is compared bit
 for bit with the cast of the former by the scale of the latter (``delayed``: the history's scale once it has one).
@@ -77,9 +78,8 @@ def main(out_dir, recipe):
     model = fsdp2_train.fresh(0)
     check_gathered_weights(model, rows)
     fsdp2_train.trainer(out_dir, recipe, 2, record, 4, tp=2, validate=True).fit(model)
-    placements = {
-        name: [str(p) for p in module.weight.placements] for name, module in model.named_modules() if isinstance(module, lf.FP8Linear)
-    }
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, lf.FP8Linear)]
+    placements = {name: [str(p) for p in module.weight.placements] for name, module in layers}
     result = {"losses": record.losses, "val_losses": record.val_losses, "checks": rows, "placements": placements,
               "fp8": lf.fp8_state_dict(model)}  # fmt: skip
     torch.save(result, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))

@@ -1,10 +1,11 @@
-"""Run by tests/test_fsdp2.py: Fabric's ``ModelParallelStrategy`` (FSDP2, 2 CPU processes on gloo) writes a distributed
-checkpoint folder with ``fabric.save`` and a fresh Fabric resumes from it with ``fabric.load``, the FP8 plugin and an
-``FP8Stats`` reader in the state, as docs/quickstart.md shows. ``delayed`` with float16 (dynamic loss scaling that grows
-every step): the amax histories, scales and loss scale decide the numbers, so the resume is exact only if ``fabric.load``
-restored the plugin (Lightning 2.6's folder branch hands back the saved dicts instead: lightning_fp8.fabric patches it).
+"""Run by tests/test_fsdp2.py: Fabric's ``ModelParallelStrategy`` (FSDP2, 2 CPU processes on gloo) writes a
+distributed checkpoint folder with ``fabric.save`` and a fresh Fabric resumes from it with ``fabric.load``, the FP8
+plugin and an ``FP8Stats`` reader in the state, as docs/quickstart.md shows. ``delayed`` with float16 (dynamic loss
+scaling that grows every step): the amax histories, scales and loss scale decide the numbers, so the resume is exact
+only if ``fabric.load`` restored the plugin (Lightning 2.6's folder branch hands back the saved dicts instead:
+lightning_fp8.fabric patches it).
 
-Three Fabrics, one after the other in the same processes: 8 steps straight; 4 steps and ``fabric.save``; a fresh
+Four Fabrics, one after the other in the same processes: 8 steps straight; 4 steps and ``fabric.save``; a fresh
 model, plugin and reader, ``fabric.load``, 4 more steps; the same with the state in a ``UserDict``. ``main(OUT_DIR)``
 from tests/scripts/gloo_checks.py.
 """
@@ -59,7 +60,7 @@ def main(out_dir):
         loaded = {}
         if load_from is not None:
             remainder = fabric.load(load_from, state)
-            loaded = {"fp8": type(state["fp8"]).__name__, "stats": type(state["stats"]).__name__, "remainder": sorted(remainder)}
+            loaded = {key: type(state[key]).__name__ for key in ("fp8", "stats")} | {"remainder": sorted(remainder)}
         for step in range(start, start + steps):
             index = (torch.arange(step * 8, step * 8 + 8) % len(windows[0]))[fabric.global_rank :: fabric.world_size]
             loss = F.cross_entropy(model(windows[0][index]).float().view(-1, 256), windows[1][index].reshape(-1))

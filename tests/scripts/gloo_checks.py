@@ -7,10 +7,11 @@ Usage: gloo_checks.py OUT_DIR CHECK [CHECK ...]. A CHECK is ``SCRIPT/ARG/...`` (
 :func:`folder` of the check, each check in its own folder.
 
 This process is rank 0. It starts rank 1 first (this command line, ``LOCAL_RANK=1``), so that the two import in
-parallel (with ``GLOO_WORLD_SIZE=N`` in the environment: N processes, ranks 1 to N-1 started first); then it runs, alone, the checks whose script's ``single_process(*ARGS)`` is true (the one-process references,
-before any process group exists, as their scripts run them on their own); then both ranks set up the process group as
-torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``RANK``) and run the other checks, in
-the order given. Lightning's Trainer and Fabric find the process group and the environment and launch nothing.
+parallel (``GLOO_WORLD_SIZE=N`` in the environment: N processes, ranks 1 to N-1 started first); then it runs, alone,
+the checks whose script's ``single_process(*ARGS)`` is true (the one-process references, before any process group
+exists, as their scripts run them on their own); then all ranks set up the process group as torchrun would
+(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``RANK``) and run the other checks, in the order
+given. Lightning's Trainer and Fabric find the process group and the environment and launch nothing.
 
 A check that raises writes its traceback to ``error_rank{R}.txt`` in its folder and the next check runs; one that
 returns writes ``done_rank{R}``. The tests read the folders (``gloo_runs.folder(check)`` fails with the traceback or
