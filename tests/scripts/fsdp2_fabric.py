@@ -69,7 +69,7 @@ def main(out_dir, recipe, mode):
         if mode == "single":
             fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         elif mode == "hsdp":
-            strategy = ModelParallelStrategy(parallelize_fn=parallelize_hsdp, data_parallel_size=4)
+            strategy = ModelParallelStrategy(parallelize_hsdp, data_parallel_size=4, tensor_parallel_size=1)
             fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy, plugins=[plugin])
         else:
             tp = 2 if mode == "tp" else 1
