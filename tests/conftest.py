@@ -287,12 +287,17 @@ def _gloo_checks(session) -> list[str]:
     return list(dict.fromkeys(c for item in session.items for mark in item.iter_markers("gloo") for c in mark.args))
 
 
-def _gloo_spec(session, workdir: Path) -> dict:
-    checks = _gloo_checks(session)
+def gloo_launch(workdir: Path, checks: list[str], world: int = 2, timeout: int = GLOO_TIMEOUT_S) -> dict:
+    """The early run of one launch of tests/scripts/gloo_checks.py: ``checks`` on ``world`` processes, in
+    ``workdir / "checks"`` (which :class:`GlooRuns` reads)."""
     out = workdir / "checks"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return {"args": [sys.executable, GLOO_CHECKS, out, *checks], "cwd": out, "env": env, "timeout": GLOO_TIMEOUT_S}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_WORLD_SIZE": str(world)}
+    return {"args": [sys.executable, GLOO_CHECKS, out, *checks], "cwd": out, "env": env, "timeout": timeout}
+
+
+def _gloo_spec(session, workdir: Path) -> dict:
+    return gloo_launch(workdir, _gloo_checks(session))
 
 
 class GlooRuns:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from conftest import GLOO_CHECKS, GlooRuns
+from conftest import GlooRuns, gloo_launch
 from utils import gloo_check_folder
 
 import lightning_fp8 as lf
@@ -1086,10 +1086,7 @@ TWO_D, HSDP = "fsdp2_2d/delayed", "fsdp2_fabric/tensorwise/hsdp"  # the checks o
 
 def _two_d_run(workdir):
     """tests/scripts/gloo_checks.py with 4 processes: 2-D (data parallel 2 x tensor parallel 2) and HSDP."""
-    out = workdir / "checks"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_WORLD_SIZE": "4"}
-    return {"args": [sys.executable, GLOO_CHECKS, out, TWO_D, HSDP], "cwd": out, "env": env, "timeout": 600}
+    return gloo_launch(workdir, [TWO_D, HSDP], world=4, timeout=600)
 
 
 # started when collection ends and run while other tests run (tests/conftest.py, "subprocesses started early")

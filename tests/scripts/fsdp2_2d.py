@@ -21,17 +21,13 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fsdp2_train  # noqa: E402
 import lightning_fp8 as lf  # noqa: E402
-from lightning_fp8.distributed import FP8GatheredWeight, fp8_all_gather_shard  # noqa: E402
+from lightning_fp8.distributed import FP8GatheredWeight, _local, fp8_all_gather_shard  # noqa: E402
 from lightning_fp8.quantize import quantize  # noqa: E402
 from lightning_fp8.recipe import WEIGHT, amax_to_scale  # noqa: E402
 
 
 def single_process(recipe):
     return False
-
-
-def _local(tensor):
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def gathered(shard, group, dim):

@@ -21,22 +21,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy  # noqa: E402
+from fsdp2_fabric import parallelize  # noqa: E402  (prepare_for_sharding, then FSDP2 on the data-parallel mesh)
 from models import TinyDecoder, loader  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import lightning_fp8 as lf  # noqa: E402
 from lightning_fp8.fabric import FP8Precision  # noqa: E402
 
 STEPS = 8
-
-
-def parallelize(model, device_mesh):
-    lf.prepare_for_sharding(model)
-    for block in model.blocks:
-        fully_shard(block, mesh=device_mesh["data_parallel"])
-    fully_shard(model, mesh=device_mesh["data_parallel"])
-    return model
 
 
 def single_process():
