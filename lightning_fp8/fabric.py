@@ -1016,11 +1016,12 @@ def _loading_into_fp8_objects(load_checkpoint: Any) -> Any:
     """
 
     @functools.wraps(load_checkpoint)
-    def load(self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
+    def load(self: Any, path: Any, state: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # the other arguments pass through as given: Lightning 2.6 added ``weights_only``, 2.5 has only ``strict``
         ours = {}
         if isinstance(state, MutableMapping):  # Lightning's branch takes any mapping it can assign into
             ours = {key: obj for key, obj in state.items() if isinstance(obj, (FP8PrecisionBase, FP8Stats))}
-        remainder = load_checkpoint(self, path, state=state, strict=strict, weights_only=weights_only)
+        remainder = load_checkpoint(self, path, state, *args, **kwargs)
         for key, obj in ours.items():
             loaded = state.get(key)
             if loaded is not obj:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 import sys
 from types import SimpleNamespace
@@ -301,6 +302,26 @@ def test_the_wrapped_fabric_load_checkpoint_takes_the_same_arguments():
     assert wrapped(None, "ckpt", state, False, True) == {} and wrapped(None, path="ckpt", state=state, weights_only=False) == {}
     assert calls == [("ckpt", state, False, True), ("ckpt", state, True, False)]
     assert state["other"] == {"replaced": True}
+
+
+def test_the_wrapped_fabric_load_checkpoint_passes_only_the_arguments_it_was_given():
+    """Lightning 2.5's ``ModelParallelStrategy.load_checkpoint`` has no ``weights_only`` argument: the wrapper must
+    not add one (it did: every ``fabric.load`` under ``ModelParallelStrategy`` raised ``TypeError`` on Lightning 2.5)."""
+    from lightning_fp8.fabric import _loading_into_fp8_objects
+
+    calls = []
+
+    def lightning_2_5(self, path, state=None, strict=True):
+        calls.append((path, strict))
+        return {"rest": 1}
+
+    wrapped = _loading_into_fp8_objects(lightning_2_5)
+    state = {"other": object()}
+    assert wrapped(None, "ckpt", state) == {"rest": 1}
+    assert wrapped(None, "ckpt", state, False) == {"rest": 1}
+    assert wrapped(None, path="ckpt", state=state, strict=False) == {"rest": 1}
+    assert calls == [("ckpt", True), ("ckpt", False), ("ckpt", False)]
+    assert list(inspect.signature(wrapped).parameters) == ["self", "path", "state", "strict"]
 
 
 def test_which_recipes_gather_in_fp8():
