@@ -14,8 +14,9 @@ parameter that is not gathered in FP8. Configurations:
   ``emulate=True`` path on a CPU) and ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step.
 
 Per configuration: the bytes FSDP2 hands to ``all_gather_single`` (parameter all-gathers, forward and backward) and to
-``reduce_scatter_single`` (gradients) per training step, counted by wrapping those two functions (FSDP2's default
-collectives call them by name at each call), the ratios to ``bf16`` and to ``tensorwise-bf16-gather``, the last loss
+``reduce_scatter_single`` (gradients) per training step (before torch 2.13: ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``), counted by wrapping those two functions (FSDP2's default collectives call them by name
+at each call), the ratios to ``bf16`` and to ``tensorwise-bf16-gather``, the last loss
 (sanity) and the median step time (on a CPU: emulated FP8 and gloo, not a speed measurement).
 
 Each configuration runs in its own launch of this script (``--worker NAME``; Lightning starts rank 1 by running the
@@ -53,7 +54,11 @@ def worker(name: str, out: str) -> None:
     import lightning_fp8 as lf
 
     counted = {"all_gather": 0, "reduce_scatter": 0}
-    real = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+    # the names FSDP2 calls the two collectives by, from torch 2.13 and before it
+    names = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    if not hasattr(dist, "all_gather_single"):
+        names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    real = {kind: getattr(dist, name) for kind, name in names.items()}
 
     def counting(kind):
         def collective(output, input, *args, **kwargs):
@@ -62,8 +67,8 @@ def worker(name: str, out: str) -> None:
 
         return collective
 
-    dist.all_gather_single = counting("all_gather")
-    dist.reduce_scatter_single = counting("reduce_scatter")
+    for kind, name in names.items():
+        setattr(dist, name, counting(kind))
     torchao = name.startswith("torchao")
     recipe = name.split("-")[0]
 

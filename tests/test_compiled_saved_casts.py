@@ -16,12 +16,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_llama  # noqa: E402
 import compiled_saved  # noqa: E402
+from utils import needs_cpu_rowwise_scaled_mm  # noqa: E402
 
 #: bench_llama.py's smallest block: hidden 64, FFN 128, 32 tokens
 SIZE = bench_llama.SIZES["test"]
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])  # tensorwise's chain is shorter (no histogram, one cast)
+@pytest.mark.parametrize(  # tensorwise's chain is shorter (no histogram, one cast)
+    "recipe", [pytest.param("rowwise", marks=needs_cpu_rowwise_scaled_mm), "delayed"]
+)
 def test_compiled_llama_block_keeps_no_fp8_copy_of_its_swiglu_product(recipe):
     """Compiled with the GPU's GEMM path (``torch._scaled_mm``, which runs on a CPU too), a Llama block
     (``bench_llama.DecoderBlock``) keeps for backward no FP8 copy of its SwiGLU product ``silu(gate(x)) * up(x)``, as

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 import lightning as L
+import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that copy a device value to the host (``.item()``, ``bool(tensor)``, ``.tolist()`` go through them).
@@ -112,3 +114,20 @@ def reference_amax_bins(amax) -> "torch.Tensor":
         else:
             counts[1 + min(max(math.floor(math.log2(abs(value))), AMAX_BIN_LOW), AMAX_BIN_HIGH) - AMAX_BIN_LOW] += 1
     return torch.tensor(counts, dtype=torch.int64)
+
+
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether torch's CPU ``torch._scaled_mm`` takes row-wise scales: from torch 2.13; before, the CPU kernel takes
+    per-tensor scales only (``INTERNAL ASSERT FAILED ... only supports per-tensor scaling for CPU backend``)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+#: for the tests whose reference for the GPU's row-wise GEMM is torch's own kernel run on the CPU
+needs_cpu_rowwise_scaled_mm = pytest.mark.skipif(
+    not _cpu_scaled_mm_takes_row_scales(), reason="torch's CPU _scaled_mm takes row-wise scales from torch 2.13"
+)

@@ -123,15 +123,18 @@ class AtTrainStart(L.Callback):
 
 
 COUNTER = [0]
-_all_gather_single = dist.all_gather_single
+# FSDP2's default all-gather calls it by this name at each call: all_gather_single from torch 2.13,
+# all_gather_into_tensor before (as lightning_fp8.distributed does)
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_all_gather = getattr(dist, _ALL_GATHER)
 
 
 def counting_all_gather(output, input, *args, **kwargs):
     COUNTER[0] += input.numel() * input.element_size()
-    return _all_gather_single(output, input, *args, **kwargs)
+    return _all_gather(output, input, *args, **kwargs)
 
 
-dist.all_gather_single = counting_all_gather  # FSDP2's default all-gather calls it by this name at each call
+setattr(dist, _ALL_GATHER, counting_all_gather)
 
 
 def trainer(out_dir, recipe, epochs, record, devices, tp=1, logger=False, callbacks=(), validate=False, **kwargs):
