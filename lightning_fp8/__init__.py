@@ -35,6 +35,32 @@ from lightning_fp8.stats import FP8Stats
 
 __version__ = "0.1.0"
 
+__all__ = [
+    "ConversionReport",
+    "FP8ColwiseParallel",
+    "FP8FallbackCallback",
+    "FP8Linear",
+    "FP8Precision",
+    "FP8RowwiseParallel",
+    "FP8Stats",
+    "FP8StatsCallback",
+    "FP8Recipe",
+    "FP8SensitivityCallback",
+    "SensitivityReport",
+    "calibrate",
+    "convert_from_fp8",
+    "convert_to_fp8",
+    "fp8_autocast",
+    "fp8_state_dict",
+    "gemm_path",
+    "is_fp8_autocast_enabled",
+    "load_fp8_state_dict",
+    "prepare_for_sharding",
+    "roll_amax_history",
+    "sensitivity_report",
+    "weights_may_have_changed",
+]
+
 #: the oldest torch the test suite passes on (pyproject.toml's requirement)
 _OLDEST_TESTED_TORCH = (2, 11)
 
@@ -43,14 +69,18 @@ def _warn_if_torch_is_untested(version: str | None = None) -> None:
     """Warn when torch (or ``version``) is older than :data:`_OLDEST_TESTED_TORCH`, installed against pip's
     requirement: the suite fails there, loudly or worse (torch 2.10: ``torch.compile`` of FP8 layers fails with
     dynamic shapes and for blocks compiled one by one; torch 2.8: a compiled ``rowwise`` layer crashed the process in
-    inductor's code)."""
+    inductor's code). Compares the release numbers only: a pre-release or vendor build of 2.11 (``2.11.0a0+...``, as
+    NVIDIA's containers ship) counts as 2.11; a version that does not parse is not warned about."""
+    import re
     import warnings
 
     import torch
-    from torch.torch_version import TorchVersion
 
     version = str(torch.__version__) if version is None else version
-    if TorchVersion(version) < _OLDEST_TESTED_TORCH:
+    release = re.match(r"(\d+)\.(\d+)", version)
+    if release is None:  # a local build's own string: nothing to compare
+        return
+    if tuple(map(int, release.groups())) < _OLDEST_TESTED_TORCH:
         oldest = ".".join(map(str, _OLDEST_TESTED_TORCH))
         warnings.warn(
             f"lightning-fp8 is tested with torch {oldest} and newer, and this is torch {version}: on older torch, "

@@ -75,7 +75,9 @@ def test_the_trainers_of_the_test_helpers_leave_no_folder_behind(tmp_path):
     """``tests/utils.py``'s ``make_trainer`` gives each Trainer a temporary ``default_root_dir``; a suite makes
     hundreds of them, and they are removed when the process exits."""
     code = "import utils; a, b = utils.make_trainer(), utils.make_trainer(); print(a.default_root_dir, b.default_root_dir)"  # noqa: E501
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "TMPDIR": str(tmp_path)}
+    # PYTHONPATH extended, not replaced: .ci/run's second run lays a Lightning release over the installed one there
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = map(Path, proc.stdout.split()[-2:])
