@@ -71,16 +71,15 @@ def _warn_if_torch_is_untested(version: str | None = None) -> None:
     dynamic shapes and for blocks compiled one by one; torch 2.8: a compiled ``rowwise`` layer crashed the process in
     inductor's code). Compares the release numbers only: a pre-release or vendor build of 2.11 (``2.11.0a0+...``, as
     NVIDIA's containers ship) counts as 2.11; a version that does not parse is not warned about."""
-    import re
     import warnings
 
     import torch
 
+    from lightning_fp8.linear import _torch_version
+
     version = str(torch.__version__) if version is None else version
-    release = re.match(r"(\d+)\.(\d+)", version)
-    if release is None:  # a local build's own string: nothing to compare
-        return
-    if tuple(map(int, release.groups())) < _OLDEST_TESTED_TORCH:
+    release = _torch_version(version)
+    if release is not None and release < _OLDEST_TESTED_TORCH:  # None: a local build's own string, nothing to compare
         oldest = ".".join(map(str, _OLDEST_TESTED_TORCH))
         warnings.warn(
             f"lightning-fp8 is tested with torch {oldest} and newer, and this is torch {version}: on older torch, "

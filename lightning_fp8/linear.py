@@ -38,6 +38,7 @@ within a step; a provider that hands them over at every micro-batch is not count
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -352,9 +353,12 @@ def _gemm_dtype(dtype: torch.dtype, spec: CastSpec) -> torch.dtype:
     return gemm.scaled_mm_out_dtype(dtype, rowwise=spec.granularity != "tensor")
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
+def _torch_version(version: str | None = None) -> tuple[int, int] | None:
+    """torch's release (or ``version``'s) as ``(major, minor)``: pre-release and vendor builds count as their release
+    (``2.11.0a0+...nv26.01``, as NVIDIA's containers ship, is ``(2, 11)``); None for a string that does not start
+    with one (a local build's own)."""
+    release = re.match(r"(\d+)\.(\d+)", str(torch.__version__) if version is None else version)
+    return None if release is None else (int(release[1]), int(release[2]))
 
 
 #: torch 2.11's dynamo returns the intermediates of a traced ``autograd.Function`` forward as extra outputs of its

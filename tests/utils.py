@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,6 +12,8 @@ import lightning as L
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_fp8.linear import _torch_version
 
 # Ops that copy a device value to the host (``.item()``, ``bool(tensor)``, ``.tolist()`` go through them).
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
@@ -117,13 +118,9 @@ def reference_amax_bins(amax) -> "torch.Tensor":
     return torch.tensor(counts, dtype=torch.int64)
 
 
-def _torch_release() -> tuple[int, int]:
-    return tuple(map(int, re.match(r"(\d+)\.(\d+)", str(torch.__version__)).groups()))  # type: ignore[union-attr]
-
-
 #: for the tests whose reference for the GPU's row-wise GEMM is torch's own kernel run on the CPU: torch's CPU
 #: ``torch._scaled_mm`` takes row-wise scales from torch 2.13 (before: "only supports per-tensor scaling for CPU
 #: backend"). By version, not by trying it: a newer torch that broke it must fail these tests, not skip them.
 needs_cpu_rowwise_scaled_mm = pytest.mark.skipif(
-    _torch_release() < (2, 13), reason="torch's CPU _scaled_mm takes row-wise scales from torch 2.13"
+    _torch_version() < (2, 13), reason="torch's CPU _scaled_mm takes row-wise scales from torch 2.13"
 )
