@@ -51,7 +51,7 @@ import bench_llama  # noqa: E402
 import docs_tables  # noqa: E402
 import harness  # noqa: E402
 
-from lightning_fp8 import gemm, recipe  # noqa: E402
+from lightning_fp8 import gemm, quantize, recipe  # noqa: E402
 
 KINDS = ("bf16", "torchao-tensorwise", "torchao-rowwise", "ours-tensorwise", "ours-rowwise", "ours-delayed")
 DEFAULT_JSON = os.path.join(bench_llama.HERE, "results", "compiled_saved.json")
@@ -59,16 +59,17 @@ DEFAULT_JSON = os.path.join(bench_llama.HERE, "results", "compiled_saved.json")
 
 @contextlib.contextmanager
 def gpu_gemm_path() -> Iterator[None]:
-    """Ours and torchao's variants take the GPU's GEMM path (``torch._scaled_mm``) on this CPU, and our compiled
-    roundings the form they take in Triton (through the bits: ``lightning_fp8.recipe.inductor_cpp_backend``)."""
-    saved = gemm.gemm_path, bench_llama.fp8_hardware, recipe.inductor_cpp_backend
+    """Ours and torchao's variants take the GPU's GEMM path (``torch._scaled_mm``) on this CPU, and our compiled casts
+    the form they take in Triton (``inductor_cpp_backend`` false, in both modules that ask it: the roundings through
+    the bits, the counts from the FP8 bytes, a partial block's padding inlined)."""
+    saved = gemm.gemm_path, bench_llama.fp8_hardware, recipe.inductor_cpp_backend, quantize.inductor_cpp_backend
     gemm.gemm_path = lambda *args, **kwargs: "native"
     bench_llama.fp8_hardware = lambda device: True  # torchao: emulate=False
-    recipe.inductor_cpp_backend = lambda device_type: False
+    recipe.inductor_cpp_backend = quantize.inductor_cpp_backend = lambda device_type: False
     try:
         yield
     finally:
-        gemm.gemm_path, bench_llama.fp8_hardware, recipe.inductor_cpp_backend = saved
+        gemm.gemm_path, bench_llama.fp8_hardware, recipe.inductor_cpp_backend, quantize.inductor_cpp_backend = saved
 
 
 def measure(kind: str, base: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:

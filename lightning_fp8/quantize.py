@@ -303,10 +303,25 @@ def _cast_statistics_from_bytes(
       a zero byte, and a non-zero ``x`` is a zero byte exactly when it underflows); a slice with a non-finite scale
       has no zero byte (``0 * inf`` and every product with NaN are NaN) and no underflow. The same counts as the
       definitions (``tests/test_cast_statistics_definitions.py``).
+
+    Inductor's C++ backend (a CPU: :func:`~lightning_fp8.recipe.inductor_cpp_backend`) reads the FP8 data as float32
+    values instead, testing ``value != value`` (NaN) and ``value == 0``: the same elements, since every FP8 value is
+    exactly a float32 and :func:`saturated_cast` writes no infinity. That backend converts a vector of FP8 values to
+    float32 in vector code (the emulated GEMM reads the same conversion) but reinterprets FP8 as bytes
+    (``view(torch.uint8)``) through a scalar copy of each vector: counted from the bytes, a compiled Llama-style
+    training step on a CPU took about a sixth more time than torchao's, at most about a fourteenth more from the
+    values (A/B runs on a shared CPU: CHANGELOG.md). Triton (a GPU) reads the bytes natively, and the GPU
+    measurements were made with them.
     """
     count = torch.int32 if x.numel() < 2**31 else torch.int64
-    magnitude = data.as_strided(data.shape, data.stride()).view(torch.uint8) & 0x7F
-    overflow = (magnitude >= _NAN_MAGNITUDE[data.dtype]).sum(dtype=count)
+    stored = data.as_strided(data.shape, data.stride())
+    if inductor_cpp_backend(data.device.type):  # the FP8 values, tested as float32: see the docstring
+        values = stored.to(torch.float32)
+        is_nan, is_zero = values != values, values == 0
+    else:
+        magnitude = stored.view(torch.uint8) & 0x7F
+        is_nan, is_zero = magnitude >= _NAN_MAGNITUDE[data.dtype], magnitude == 0
+    overflow = is_nan.sum(dtype=count)
     if history is not None:
         history_scale, usable = history
         saturated = (~((x.to(torch.float32) * history_scale).abs() <= fp8_max(data.dtype))).sum(dtype=count)
@@ -315,7 +330,7 @@ def _cast_statistics_from_bytes(
     slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
     slices_nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count)
     zeros = torch.where(scale.reshape(shape).isfinite(), x.numel() // scale.numel() - slices_nonzero, 0)
-    nonzero, underflow = slices_nonzero.sum(dtype=count), (magnitude == 0).sum(dtype=count) - zeros.sum(dtype=count)
+    nonzero, underflow = slices_nonzero.sum(dtype=count), is_zero.sum(dtype=count) - zeros.sum(dtype=count)
     return torch.stack([nonzero, overflow, underflow]).to(torch.int64)
 
 

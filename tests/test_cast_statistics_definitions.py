@@ -87,15 +87,29 @@ def test_eager_counts_equal_the_definitions(source, fp8, flush):
         torch.set_flush_denormal(False)
 
 
+#: How a compiled cast reads its stored FP8 data to count (``_cast_statistics_from_bytes``): as float32 values (the
+#: C++ backend, a CPU: the default here) or as bytes (the form Triton gets, a GPU), both run here by the C++ backend.
+COUNT_FORMS = ["values", "bytes"]
+
+
+def _count_form(monkeypatch, form):
+    import lightning_fp8.quantize as quantize_module
+
+    if form == "bytes":
+        monkeypatch.setattr(quantize_module, "inductor_cpp_backend", lambda device_type: False)
+
+
+@pytest.mark.parametrize("form", COUNT_FORMS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("source", ["bf16_all", "f32_subnormal", "f32_random"])
-def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8):
+def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8, form, monkeypatch):
     """Compiled, a cast whose scales came from its own amaxes (``overflow_free``: per tensor, row or column) counts
-    from the FP8 bytes (``_cast_statistics_from_bytes``): the same data as eager, and the definitions' counts, for
-    every bf16 pattern, float32 subnormals and wide ranges, under every special scale (0, inf, NaN, tiny, huge), a
-    tensor's, rows' and columns' (mixed), on a transposed input too."""
+    from the stored FP8 data (``_cast_statistics_from_bytes``, read as float32 values or as bytes): the same data as
+    eager, and the definitions' counts, for every bf16 pattern, float32 subnormals and wide ranges, under every
+    special scale (0, inf, NaN, tiny, huge), a tensor's, rows' and columns' (mixed), on a transposed input too."""
     from lightning_fp8.quantize import cast_with_statistics
 
+    _count_form(monkeypatch, form)
     x = SOURCES[source]()
     torch._dynamo.reset()  # one code object for every parametrization: its recompilations would add up
     compiled = torch.compile(lambda x, scale: cast_with_statistics(x, scale, fp8, overflow_free=True), fullgraph=True)
@@ -112,15 +126,18 @@ def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8)
         assert torch.equal(counts, want), (source, fp8, scale.flatten()[:3], counts.tolist(), want.tolist())
 
 
+@pytest.mark.parametrize("form", COUNT_FORMS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("source", ["bf16_all", "f32_random"])
-def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, fp8):
+def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, fp8, form, monkeypatch):
     """Compiled, a ``delayed`` cast (the history's scale where usable, else the tensor's own amax's) counts from the
-    FP8 bytes, its history overflows from ``x``: the definitions' counts under every special history scale (usable;
-    a finite one saturates elements), and with the history not usable (the own-amax scale)."""
+    stored FP8 data (as values or as bytes), its history overflows from ``x``: the definitions' counts under every
+    special history scale (usable; a finite one saturates elements), and with the history not usable (the own-amax
+    scale)."""
     from lightning_fp8.quantize import cast_with_statistics
     from lightning_fp8.recipe import amax_to_scale
 
+    _count_form(monkeypatch, form)
     x = SOURCES[source]()
     torch._dynamo.reset()
 
@@ -139,3 +156,29 @@ def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, f
             assert torch.equal(data.view(torch.uint8), eager.view(torch.uint8)), (source, fp8, s, usable)
             want = _reference(x, x_scaled, eager, False)  # overflow as defined: not |x * scale| <= fp8_max
             assert torch.equal(counts, want), (source, fp8, s, usable, counts.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("form", COUNT_FORMS)
+def test_compiled_cpu_counts_read_the_fp8_data_in_vector_code(form, monkeypatch):
+    """Inductor's C++ backend reinterprets FP8 as bytes through a scalar copy of every vector (``bit_cast<uint8_t>``
+    in a loop over a stack buffer): counted from the bytes, a compiled Llama-style step on a CPU took about a sixth
+    more time than torchao's. On a CPU the counts read the FP8 data as float32 values, which that backend converts in
+    vector code; the form Triton gets keeps the bytes (and shows the scalar copy, so the check can fail)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lightning_fp8.quantize import cast_with_statistics
+
+    _count_form(monkeypatch, form)
+    torch._dynamo.reset()
+    x = torch.randn(64, 256)
+    x[0, :2] = torch.tensor([0.0, 1e-30])
+
+    def cast(x):
+        return cast_with_statistics(x, 448.0 / x.abs().amax().clamp(min=1e-12), torch.float8_e4m3fn, overflow_free=True)
+
+    (data, counts), (code, *_) = run_and_get_code(torch.compile(cast, fullgraph=True, dynamic=False), x)
+    x_scaled = x * (448.0 / x.abs().amax().clamp(min=1e-12))
+    assert torch.equal(counts, _reference(x, x_scaled, saturated_cast(x_scaled, torch.float8_e4m3fn), True))
+    assert counts.tolist() == [x.numel() - 1, 0, 1]  # the zero left out, the underflow counted
+    scalar_byte_copy = "bit_cast<uint8_t>" in code
+    assert scalar_byte_copy == (form == "bytes"), code
