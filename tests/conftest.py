@@ -75,6 +75,40 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------- the floor stage of .ci/run: Lightning-facing modules only
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--lightning-facing",
+        action="store_true",
+        help="run only the test modules that reach Lightning (tests/lightning_reach.py): .ci/run's second stage, on "
+        "Lightning's oldest supported release, where the tests of the FP8 core alone would rerun unchanged",
+    )
+
+
+_LIGHTNING_FREE = pytest.StashKey[list]()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("lightning_facing"):
+        return
+    from lightning_reach import reaches_lightning
+
+    facing = {path: reaches_lightning(path) for path in {item.path for item in items}}
+    dropped = [item for item in items if not facing[item.path]]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if facing[item.path]]
+    config.stash[_LIGHTNING_FREE] = sorted(path.name for path, reaches in facing.items() if not reaches)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    free = config.stash.get(_LIGHTNING_FREE, None)
+    if free is not None:
+        terminalreporter.write_line(f"--lightning-facing: deselected the Lightning-free modules {', '.join(free)}")
+
+
 # ----------------------------------------------------------------------- subprocesses started early, run in the background
 #
 # The suite's slow subprocesses (the 2-process checks, the Triton interpreter, the documentation pages, the examples

@@ -120,7 +120,8 @@ def reference_amax_bins(amax) -> "torch.Tensor":
 
 #: for the tests whose reference for the GPU's row-wise GEMM is torch's own kernel run on the CPU: torch's CPU
 #: ``torch._scaled_mm`` takes row-wise scales from torch 2.13 (before: "only supports per-tensor scaling for CPU
-#: backend"). By version, not by trying it: a newer torch that broke it must fail these tests, not skip them.
+#: backend"). By version, not by trying it: a newer torch that broke it must fail these tests, not skip them; a
+#: version string with no release in it (a local build's own) counts as new, for the same reason.
 needs_cpu_rowwise_scaled_mm = pytest.mark.skipif(
-    _torch_version() < (2, 13), reason="torch's CPU _scaled_mm takes row-wise scales from torch 2.13"
+    (_torch_version() or (2, 13)) < (2, 13), reason="torch's CPU _scaled_mm takes row-wise scales from torch 2.13"
 )
