@@ -75,7 +75,7 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------- the floor stage of .ci/run: Lightning-facing modules only
+# ------------------------------------------------------------ the floor stage of .ci/run: Lightning-facing modules only
 
 
 def pytest_addoption(parser):
@@ -95,7 +95,8 @@ def pytest_collection_modifyitems(config, items):
         return
     from lightning_reach import reaches_lightning
 
-    facing = {path: reaches_lightning(path) for path in {item.path for item in items}}
+    paths = sorted({item.path for item in items})
+    facing = {path: path.suffix != ".py" or reaches_lightning(path) for path in paths}
     dropped = [item for item in items if not facing[item.path]]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
@@ -105,7 +106,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, config):
     free = config.stash.get(_LIGHTNING_FREE, None)
-    if free is not None:
+    if free:
         terminalreporter.write_line(f"--lightning-facing: deselected the Lightning-free modules {', '.join(free)}")
 
 

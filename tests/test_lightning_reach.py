@@ -43,6 +43,25 @@ def _module(tmp_path: Path, source: str) -> Path:
         "import importlib\n\ndef test_a():\n    importlib.import_module('x')\n",
         "def test_a(gloo_runs):\n    gloo_runs.folder('x')\n",
         "import pytest\n\n@pytest.mark.gloo('x')\ndef test_a():\n    pass\n",
+        # added after a review: each of these was classified Lightning-free
+        "from utils import make_trainer\nFACTORY: object = make_trainer\n\ndef test_a():\n    FACTORY()\n",
+        "from utils import make_trainer\nFACTORY, N = make_trainer, 1\n\ndef test_a():\n    FACTORY()\n",
+        "import utils\nutils.make_trainer()\n",  # top-level code runs on import
+        "import lightning_fp8 as lf\nif True:\n    def test_a():\n        lf.calibrate(None)\n",
+        "try:\n    import torch\nexcept ImportError:\n    pass\nelse:\n    from lightning import Trainer\n\n"
+        "def test_a():\n    Trainer()\n",
+        "from lightning_fp8 import *\n\ndef test_a():\n    calibrate()\n",
+        "from lightning.pytorch import *\n\ndef test_a():\n    Trainer()\n",
+        "import docs_tables\n\ndef test_a():\n    docs_tables.render_all()\n",  # renders compare_example
+        "import runpy\n\ndef test_a():\n    runpy.run_path('examples/x.py')\n",
+        "import subprocess\n\ndef test_a():\n    subprocess.run(['python', 'x.py'])\n",
+        "import torch.multiprocessing as mp\n\ndef test_a():\n    mp.spawn(print, nprocs=2)\n",
+        "from tests.utils import make_trainer\n\ndef test_a():\n    make_trainer()\n",
+        "from benchmarks import docs_tables\n\ndef test_a():\n    docs_tables.main([])\n",
+        "import pytest\n\ndef test_a():\n    L = pytest.importorskip('lightning')\n",
+        "import lightning_fp8 as lf\n\ndef test_a():\n    lf.__dict__['FP8Precision']()\n",
+        "import lightning_fp8.precision as p\n\ndef test_a():\n    p\n",
+        "import lightning_fp8.calibration\n\ndef test_a():\n    lightning_fp8.calibration.calibrate()\n",
     ],
 )
 def test_every_way_of_reaching_lightning_counts(tmp_path, source):
@@ -61,32 +80,100 @@ def test_every_way_of_reaching_lightning_counts(tmp_path, source):
         "from utils import reference_amax_bins\n\ndef test_a():\n    reference_amax_bins(1)\n",
         '"""A Fabric-style loop, without Fabric (a docstring is not code)."""\n',
         "import subprocess\n\ndef test_a():\n    subprocess.run(['git', 'status'])\n",  # not a Python child
+        "import lightning_fp8.quantize\n\ndef test_a():\n    lightning_fp8.quantize.quantize\n",
+        "import docs_tables\n\ndef test_a():\n    docs_tables.caption({}, 'x')\n",
+        "if __name__ == '__main__':\n    import lightning\n",  # a script's body: not run on import
+        "print(f'python benchmarks/{1}')\n",  # text that reads like a command
     ],
 )
 def test_what_runs_only_the_fp8_core_is_lightning_free(tmp_path, source):
     assert not reaches_lightning(_module(tmp_path, source))
 
 
-def test_a_helper_that_uses_one_that_reaches_lightning_reaches_it(tmp_path, monkeypatch):
-    """Through the definitions of a local helper module, one using another."""
+def _with_helpers(tmp_path, monkeypatch, helpers: dict[str, str]) -> None:
     import lightning_reach
 
-    helpers = tmp_path / "helpers"
-    helpers.mkdir()
-    (helpers / "probe_helpers.py").write_text(
-        "import lightning as L\n\ndef trainer():\n    return L.Trainer()\n\n"
-        "def fit():\n    return trainer().fit\n\ndef plain():\n    return 1\n"
+    folder = tmp_path / "helpers"
+    folder.mkdir()
+    for name, source in helpers.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.setattr(lightning_reach, "LOCAL_DIRS", (folder, *lightning_reach.LOCAL_DIRS))
+    lightning_reach.reset()
+
+
+@pytest.fixture
+def fresh_reach():
+    import lightning_reach
+
+    lightning_reach.reset()
+    yield
+    lightning_reach.reset()  # LOCAL_DIRS is restored by monkeypatch before this: solve the suite's again
+
+
+def test_a_helper_that_uses_one_that_reaches_lightning_reaches_it(tmp_path, monkeypatch, fresh_reach):
+    """Through the definitions of a local helper module, one using another."""
+    _with_helpers(
+        tmp_path,
+        monkeypatch,
+        {
+            "probe_helpers": """
+                import lightning as L
+
+                def trainer():
+                    return L.Trainer()
+
+                def fit():
+                    return trainer().fit
+
+                def plain():
+                    return 1
+            """
+        },
     )
-    monkeypatch.setattr(lightning_reach, "LOCAL_DIRS", (helpers, *lightning_reach.LOCAL_DIRS))
-    lightning_reach._local_reaching.cache_clear()
-    try:
-        facing, free = tmp_path / "test_facing.py", tmp_path / "test_free.py"
-        facing.write_text("from probe_helpers import fit\n\ndef test_a():\n    fit()\n")
-        free.write_text("from probe_helpers import plain\n\ndef test_a():\n    plain()\n")
-        assert reaches_lightning(facing)
-        assert not reaches_lightning(free)
-    finally:
-        lightning_reach._local_reaching.cache_clear()
+    facing, free = tmp_path / "test_facing.py", tmp_path / "test_free.py"
+    facing.write_text("from probe_helpers import fit\n\ndef test_a():\n    fit()\n")
+    free.write_text("from probe_helpers import plain\n\ndef test_a():\n    plain()\n")
+    assert reaches_lightning(facing)
+    assert not reaches_lightning(free)
+
+
+def test_helpers_that_import_each_other_get_one_answer_whichever_is_asked_first(tmp_path, monkeypatch, fresh_reach):
+    """A cycle of lazy imports between helper modules: the least fixpoint, whatever the order of the questions
+    (before, the first module asked answered "everything reaches" for the others, depending on the hash seed)."""
+    helpers = {
+        "cycle_a": "def plain():\n    from cycle_b import other\n    return other\n\n"
+        "def facing():\n    from cycle_b import trainer\n    return trainer()\n",
+        "cycle_b": "import lightning as L\n\ndef other():\n    from cycle_a import plain\n    return plain\n\n"
+        "def trainer():\n    return L.Trainer()\n",
+    }
+    _with_helpers(tmp_path, monkeypatch, helpers)
+    plain, facing = tmp_path / "test_plain.py", tmp_path / "test_facing.py"
+    plain.write_text("from cycle_a import plain\n\ndef test_a():\n    plain()\n")
+    facing.write_text("from cycle_a import facing\n\ndef test_a():\n    facing()\n")
+    for order in ((plain, facing), (facing, plain)):
+        import lightning_reach
+
+        lightning_reach.reset()
+        answers = {path: reaches_lightning(path) for path in order}
+        assert answers == {plain: False, facing: True}
+
+
+def test_a_fixture_of_conftest_that_reaches_lightning_counts(tmp_path, monkeypatch, fresh_reach):
+    """A test that requests, by parameter name, a conftest fixture that uses Lightning."""
+    import lightning_reach
+
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    (folder / "conftest.py").write_text("import lightning as L\n\ndef trainer():\n    return L.Trainer()\n")
+    monkeypatch.setattr(lightning_reach, "LOCAL_DIRS", (folder,))
+    monkeypatch.setattr(lightning_reach, "_CONFTEST", folder / "conftest.py")
+    lightning_reach.reset()
+    probe = folder / "test_probe.py"
+    probe.write_text("def test_a(trainer):\n    trainer.fit\n")
+    assert reaches_lightning(probe)
+    probe.write_text("def test_a(tmp_path):\n    tmp_path\n")
+    lightning_reach.reset()
+    assert not reaches_lightning(probe)
 
 
 def _uses_lightning_classes(path: Path) -> bool:
