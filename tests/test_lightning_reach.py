@@ -62,6 +62,8 @@ def _module(tmp_path: Path, source: str) -> Path:
         "import lightning_fp8 as lf\n\ndef test_a():\n    lf.__dict__['FP8Precision']()\n",
         "import lightning_fp8.precision as p\n\ndef test_a():\n    p\n",
         "import lightning_fp8.calibration\n\ndef test_a():\n    lightning_fp8.calibration.calibrate()\n",
+        "def test_a():\n    __import__('lightning')\n",
+        "import importlib.util as u\n\ndef test_a():\n    u.spec_from_file_location('x', 'x.py')\n",
     ],
 )
 def test_every_way_of_reaching_lightning_counts(tmp_path, source):
