@@ -135,10 +135,17 @@ def _package_reaching() -> frozenset[str]:
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-                if node.module == PACKAGE:
+            elif isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if node.level:  # relative: from the package (its modules use absolute imports today)
+                    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    package = package[: len(package) - node.level + 1]
+                    source = ".".join(package + ([source] if source else []))
+                names = [source]
+                if source == PACKAGE:
                     names = [_package_member(a.name) for a in node.names]
+                elif not source.startswith(PACKAGE) and node.level:
+                    names = [PACKAGE]  # above the package: count it
             else:
                 continue
             if any(name.split(".")[0] in LIGHTNING_ROOTS for name in names):
@@ -388,6 +395,8 @@ def reset() -> None:
     """Forget the solved answers (after the files or :data:`LOCAL_DIRS` changed)."""
     _REACHING.clear()
     _tree.cache_clear()
+    _package_names.cache_clear()
+    _package_reaching.cache_clear()
 
 
 def reaches_lightning(path: str | Path) -> bool:

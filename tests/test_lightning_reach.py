@@ -109,7 +109,7 @@ def fresh_reach():
 
     lightning_reach.reset()
     yield
-    lightning_reach.reset()  # LOCAL_DIRS is restored by monkeypatch before this: solve the suite's again
+    lightning_reach.reset()  # the next question solves the real suite again (monkeypatch restores the folders)
 
 
 def test_a_helper_that_uses_one_that_reaches_lightning_reaches_it(tmp_path, monkeypatch, fresh_reach):
@@ -214,3 +214,23 @@ def test_the_option_deselects_the_lightning_free_modules(tmp_path):
     assert collected and all(line.startswith("tests/test_loss_scaling.py::") for line in collected)
     assert "deselected the Lightning-free modules test_gemm.py" in run.stdout
     assert "deselected" in run.stdout.splitlines()[-1]
+
+
+def test_relative_imports_inside_the_package_are_followed(tmp_path, monkeypatch, fresh_reach):
+    """The package's modules use absolute imports today; a relative one must still be followed, not skipped."""
+    import lightning_reach
+
+    package = tmp_path / "lightning_fp8"
+    package.mkdir()
+    files = {
+        "__init__.py": "from lightning_fp8.core import cast\n",
+        "core.py": "from . import helpers\n",
+        "helpers.py": "import math\n",
+        "plugin.py": "from .glue import Plugin\n",
+        "glue.py": "from lightning.pytorch.plugins import Precision as Plugin\n",
+    }
+    for name, source in files.items():
+        (package / name).write_text(source)
+    monkeypatch.setattr(lightning_reach, "REPO", tmp_path)
+    lightning_reach.reset()
+    assert lightning_reach._package_reaching() == {"lightning_fp8.plugin", "lightning_fp8.glue"}
