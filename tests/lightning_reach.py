@@ -221,15 +221,16 @@ def _uses(node: ast.AST, bindings: dict[str, Binding]) -> bool:
     bindings = dict(bindings)
     for child in ast.walk(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
-            bindings.update(_bindings(child))
+            bound = _bindings(child)
+            if any(b is True for b in bound.values()):
+                return True  # imported here: counted whether or not the name is used
+            bindings.update(bound)
     if bindings.get("*", False) is not False:
         return True  # a star import of something that reaches Lightning: any name may be one of its
     parents = {child: parent for parent in ast.walk(node) for child in ast.iter_child_nodes(parent)}
     conftest = _CONFTEST if _CONFTEST in _REACHING else None
     for child in ast.walk(node):
         if isinstance(child, ast.Attribute) and child.attr in OPAQUE_NAMES:
-            return True
-        if isinstance(child, (ast.Import, ast.ImportFrom)) and any(b is True for b in _bindings(child).values()):
             return True
         if isinstance(child, ast.alias) and child.name.split(".")[-1] in OPAQUE_NAMES | {"runpy"}:
             return True

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import lightning_reach
 from lightning_reach import reaches_lightning
 
 TESTS = Path(__file__).parent
@@ -93,8 +94,6 @@ def test_what_runs_only_the_fp8_core_is_lightning_free(tmp_path, source):
 
 
 def _with_helpers(tmp_path, monkeypatch, helpers: dict[str, str]) -> None:
-    import lightning_reach
-
     folder = tmp_path / "helpers"
     folder.mkdir()
     for name, source in helpers.items():
@@ -105,8 +104,6 @@ def _with_helpers(tmp_path, monkeypatch, helpers: dict[str, str]) -> None:
 
 @pytest.fixture
 def fresh_reach():
-    import lightning_reach
-
     lightning_reach.reset()
     yield
     lightning_reach.reset()  # the next question solves the real suite again (monkeypatch restores the folders)
@@ -153,8 +150,6 @@ def test_helpers_that_import_each_other_get_one_answer_whichever_is_asked_first(
     plain.write_text("from cycle_a import plain\n\ndef test_a():\n    plain()\n")
     facing.write_text("from cycle_a import facing\n\ndef test_a():\n    facing()\n")
     for order in ((plain, facing), (facing, plain)):
-        import lightning_reach
-
         lightning_reach.reset()
         answers = {path: reaches_lightning(path) for path in order}
         assert answers == {plain: False, facing: True}
@@ -162,8 +157,6 @@ def test_helpers_that_import_each_other_get_one_answer_whichever_is_asked_first(
 
 def test_a_fixture_of_conftest_that_reaches_lightning_counts(tmp_path, monkeypatch, fresh_reach):
     """A test that requests, by parameter name, a conftest fixture that uses Lightning."""
-    import lightning_reach
-
     folder = tmp_path / "suite"
     folder.mkdir()
     (folder / "conftest.py").write_text("import lightning as L\n\ndef trainer():\n    return L.Trainer()\n")
@@ -218,8 +211,6 @@ def test_the_option_deselects_the_lightning_free_modules(tmp_path):
 
 def test_relative_imports_inside_the_package_are_followed(tmp_path, monkeypatch, fresh_reach):
     """The package's modules use absolute imports today; a relative one must still be followed, not skipped."""
-    import lightning_reach
-
     package = tmp_path / "lightning_fp8"
     package.mkdir()
     files = {
