@@ -306,9 +306,10 @@ def _cast_statistics_from_bytes(
 
     Inductor's C++ backend (a CPU: :func:`~lightning_fp8.recipe.inductor_cpp_backend`) reads the FP8 data as float32
     values instead, testing ``value != value`` (NaN) and ``value == 0``: the same elements, since every FP8 value is
-    exactly a float32 and :func:`saturated_cast` writes no infinity. That backend converts a vector of FP8 values to
-    float32 in vector code (the emulated GEMM reads the same conversion) but reinterprets FP8 as bytes
-    (``view(torch.uint8)``) through a scalar copy of each vector: counted from the bytes, a compiled Llama-style
+    exactly a float32 and :func:`saturated_cast` writes no infinity. That backend converts FP8 values to float32 with
+    the conversion the emulated GEMM reads anyway (vector code on AVX-512 CPUs only; elsewhere element by element:
+    ``benchmarks/fp8_conversions.py``) but reinterprets FP8 as bytes (``view(torch.uint8)``) through a further scalar
+    copy of each vector: counted from the bytes, a compiled Llama-style
     training step on a CPU took about a sixth more time than torchao's, at most about a fourteenth more from the
     values (A/B runs on a shared CPU: CHANGELOG.md). Triton (a GPU) reads the bytes natively, and the GPU
     measurements were made with them.
