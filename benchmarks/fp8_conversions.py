@@ -31,7 +31,7 @@ a compiled cast that feeds the GEMM does) and ``arithmetic-<fmt>`` (the formula 
 without converting). Reported per element, and as a ratio to ``multiply``. Results: ``--json`` (default
 ``benchmarks/results/fp8_conversions.json``) and a Markdown report on stdout (``--out`` to keep it).
 A Python call of a compiled function costs some tens of microseconds on top of its kernel: the per-element numbers
-include it, hence the default of 2**20 elements (a few percent of a call there; most of one at 114688).
+include it, hence the default of 2**20 elements (a few percent of a call there; about two fifths of one at 114688).
 """
 
 from __future__ import annotations
