@@ -186,6 +186,40 @@ def test_stacked_fp8_layers_with_bias_compiled_match_eager_bitwise():
     _assert_same_step(0, eager, _autocast_steps((eager, compiled), x))
 
 
+@pytest.mark.parametrize("dtype", F16, ids=["bfloat16", "float16"])
+def test_chained_roundings_compile_to_short_loop_bodies(dtype, monkeypatch):
+    """Compiled, a chain of roundings (as a biased FP8 layer's output feeds the next layer: the bias rounded, added,
+    the sum rounded) gives eager's bits, and the loop bodies inductor traces stay short: the float32 formula reads
+    its input about two dozen times and inductor inlines an elementwise input into every read, so with the input
+    unstored these three formulas traced bodies of 5310 operations, 126 stored (each ``LoopBody`` is what inductor's
+    code generation walks, several times)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import loop_body
+
+    sizes = []
+    init = loop_body.LoopBody.__init__
+
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sizes.append(sum(len(block.graph.nodes) for block in (self.root_block, *self.subblocks.values())))
+
+    monkeypatch.setattr(loop_body.LoopBody, "__init__", counting_init)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached graph is not traced again
+
+    def chain(t):
+        for _ in range(3):
+            t = rounded_to(t * 1.5 + 0.25, dtype).float()
+        return t
+
+    torch._dynamo.reset()
+    x = _special_and_random_floats()[:4096] * 1e-3
+    compiled = torch.compile(chain, fullgraph=True, dynamic=False)(x)
+    expected = chain(x)  # eager: x.to(dtype)
+    assert torch.equal(compiled.isnan(), expected.isnan())
+    assert torch.equal(compiled.nan_to_num().view(torch.int32), expected.nan_to_num().view(torch.int32))
+    assert sizes and max(sizes) < 300, sorted(sizes)[-5:]
+
+
 def test_tensor_parallel_row_wise_bias_compiled_matches_eager_bitwise(one_rank_group):
     """Under tensor parallelism a row-wise sharded layer adds its bias to the reduced output, on ``DTensor``s (whose
     ``.to`` inductor skips the rounding of): compiled, its output and gradients equal eager's bit for bit under bf16
