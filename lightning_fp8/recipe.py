@@ -443,15 +443,20 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     readers are loops over the data: the cast, and the GEMM's output scaling, which reads a per-column scale once per
     output element. Inlined there, the scale formula ran once per data element instead of once per scale (on a CPU,
     most of the gap between the compiled ``rowwise`` step and torchao's). Used for the small per-tensor, per-row or
-    per-block tensors derived from amaxes, never for the data itself.
+    per-block tensors derived from amaxes, and for data that many reads would otherwise inline (the input of the
+    rounding formula, :func:`_rounded_compiled`; a padded block-recipe input; FP8 data read by several loops).
 
     An identity ``as_strided`` view of a clone is the barrier: inductor's lowering of ``as_strided`` needs a stored
     input (eager, it is skipped; a tensor subclass such as a ``DTensor`` is left alone). The clone matters when ``t``
     is a view (a slice, an expanded or strided tensor): applied to a view of a buffer inductor computed, the lowering
-    reads that buffer with the view's strides and without its offset, wrong values without an error.
+    reads that buffer with the view's strides and without its offset, wrong values without an error. For a ``t`` of
+    one element (0-d, or every size 1) the copy is ``t * 1.0`` (the same value; NaN stays NaN): inductor drops the
+    clone of a view whose sizes and strides equal the clone's, not comparing the offset, and for such a view the
+    barrier then read the buffer's first element (``tests/test_compiled_scales.py``).
     """
     if torch.compiler.is_compiling() and type(t) is torch.Tensor:
-        t = t.clone()
+        one_element = all(type(size) is int and size == 1 for size in t.shape)
+        t = t * 1.0 if one_element else t.clone()
         return t.as_strided(t.shape, t.stride())
     return t
 
