@@ -449,14 +449,16 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     An identity ``as_strided`` view of a clone is the barrier: inductor's lowering of ``as_strided`` needs a stored
     input (eager, it is skipped; a tensor subclass such as a ``DTensor`` is left alone). The clone matters when ``t``
     is a view (a slice, an expanded or strided tensor): applied to a view of a buffer inductor computed, the lowering
-    reads that buffer with the view's strides and without its offset, wrong values without an error. For a ``t`` of
-    one element (0-d, or every size 1) the copy is ``t * 1.0`` (the same value; NaN stays NaN): inductor drops the
-    clone of a view whose sizes and strides equal the clone's, not comparing the offset, and for such a view the
-    barrier then read the buffer's first element (``tests/test_compiled_scales.py``).
+    reads that buffer with the view's strides and without its offset, wrong values without an error.
+
+    Known wrong, not fixed: a view of one element at an offset (``y[1, 1]``, ``y[1, 1:2]`` of a computed ``y``)
+    reads the buffer's first element compiled (torch 2.13: inductor drops the clone of a view whose sizes and strides
+    equal the clone's, not comparing the offset). No caller in this package passes one (scales are computed tensors,
+    biases are parameters); copying such tensors by ``t * 1.0`` instead fixed it but changed what the compiled
+    ``delayed`` layers save for backward (an FP8 copy kept), so it was not kept.
     """
     if torch.compiler.is_compiling() and type(t) is torch.Tensor:
-        one_element = all(type(size) is int and size == 1 for size in t.shape)
-        t = t * 1.0 if one_element else t.clone()
+        t = t.clone()
         return t.as_strided(t.shape, t.stride())
     return t
 
