@@ -230,11 +230,30 @@ COMPILE_ORDER: tuple[str, ...] = ("bf16", "torchao-tensorwise", "torchao-rowwise
                                   "ours-delayed", "ours-mxfp8", "ours-blockwise")
 
 
+#: The suffix of a variant of ours whose steps do not count (``ours-tensorwise:uncounted``): each step runs inside
+#: ``fp8_autocast(count_statistics=False)``, what the plugins' ``statistics_every_n_steps=n`` runs on the ``n - 1``
+#: steps between two counting steps (amaxes and scales recorded, no counters or histograms). With the counting
+#: variant in the same run, a step of ``statistics_every_n_steps=n`` costs ``(counted + (n - 1) * uncounted) / n``.
+UNCOUNTED = ":uncounted"
+
+
+def base_kind(kind: str) -> str:
+    """``kind`` without :data:`UNCOUNTED`: the variant whose conversion it shares."""
+    return kind.removesuffix(UNCOUNTED)
+
+
+def valid_kind(kind: str) -> bool:
+    """A variant of :data:`KINDS`, or one of ours with :data:`UNCOUNTED`."""
+    base = base_kind(kind)
+    return base in KINDS and (base == kind or base.startswith("ours-"))
+
+
 def variant_name(kind: str) -> str:
     if kind == "bf16":
         return "bf16 autocast"
-    source, recipe = kind.split("-", 1)
-    return f"torchao {recipe}" if source == "torchao" else f"ours {recipe}"
+    source, recipe = base_kind(kind).split("-", 1)
+    name = f"torchao {recipe}" if source == "torchao" else f"ours {recipe}"
+    return name + (", steps not counting" if kind != base_kind(kind) else "")
 
 
 def fp8_hardware(device: str) -> bool:
@@ -300,6 +319,9 @@ def build_variant(kind: str, base: nn.Module, device: str, compile_backend: str 
                   scope: str = "model") -> Variant:
     """A copy of ``base`` whose modules are new but whose Parameters are ``base``'s, converted for ``kind`` and, with
     ``compile_backend``, compiled as ``scope`` says (:func:`compile_in_scope`)."""
+    if not valid_kind(kind):
+        raise ValueError(f"unknown variant {kind!r}")
+    counted, kind = kind == base_kind(kind), base_kind(kind)
     model = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
     fp8 = False
     if kind.startswith("torchao-"):
@@ -313,13 +335,12 @@ def build_variant(kind: str, base: nn.Module, device: str, compile_backend: str 
         report = lf.convert_to_fp8(model, recipe=kind.split("-", 1)[1], log_summary=False)
         assert report.converted and not report.skipped, report.summary()
         fp8 = True
-    elif kind != "bf16":
-        raise ValueError(kind)
     shared = {id(p) for p in base.parameters()}
     assert all(id(p) in shared for p in model.parameters()), f"{kind}: the conversion replaced Parameters"
     module = compile_in_scope(model, scope, compile_backend) if compile_backend else model
+    kind = kind if counted else kind + UNCOUNTED
     return Variant(f"{kind}+compile" if compile_backend else kind, kind, model, module, fp8, device,
-                   scope if compile_backend else None)
+                   scope if compile_backend else None, count_statistics=counted)
 
 
 def forward_backward(variant: Variant, x: torch.Tensor) -> None:
@@ -479,7 +500,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
     steps: dict[str, Callable[..., None]] = {}
 
     def entry(kind: str, compiled: bool) -> dict[str, Any]:
-        recipe = kind.split("-", 1)[1] if "-" in kind else None
+        recipe = base_kind(kind).split("-", 1)[1] if "-" in kind else None
         path = lf.gemm_path(device, recipe) if kind.startswith("ours-") else (
             "native" if fp8_hardware(device) else "emulated") if kind.startswith("torchao-") else "bf16"
         return {"kind": kind, "name": variant_name(kind) + (" + compile" if compiled else ""), "compiled": compiled,
@@ -521,7 +542,8 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
                 continue
             steps[kind] = make_step(variants[kind], x, optimizer)
         wanted = kinds if compile_kinds is None else compile_kinds
-        compile_kinds = tuple(k for k in COMPILE_ORDER if k in wanted and k in variants) if compile_backend else ()
+        compile_kinds = tuple(sorted((k for k in wanted if k in variants), key=lambda k: (
+            COMPILE_ORDER.index(base_kind(k)), k))) if compile_backend else ()
         if compile_kinds:
             torch._dynamo.reset()  # one size at a time: the stack's code objects are shared by all compiled variants
             # every compiled variant is a cache entry of the same code objects: room for all, and one recompilation each
@@ -587,7 +609,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
         # zero gradients, and the timing looked plausible)
         for key in [k for k in steps if variants[k].compiled]:
             kind = variants[key].kind
-            reference = kind if kind in steps else "bf16" if "bf16" in steps else None
+            reference = next((k for k in (kind, base_kind(kind), "bf16") if k in steps), None)
             if reference is None:
                 continue
             note(f"{size.name}: checking the gradients of {key} against {reference}'s")
@@ -824,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="", help=f"comma-separated sizes of {', '.join(SIZES)} "
                                                    f"(default {','.join(DEFAULT_SIZES)})")
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
-    parser.add_argument("--kinds", default="", help=f"comma-separated variants of {', '.join(KINDS)} (default: all)")
+    parser.add_argument("--kinds", default="", help=f"comma-separated variants of {', '.join(KINDS)} (default: all); "
+                                                   f"ours also as ours-<recipe>{UNCOUNTED}: steps that do not count")
     parser.add_argument("--compile-kinds", default="",
                         help="comma-separated variants to compile too (default: all of --kinds, in the order "
                              f"{', '.join(COMPILE_ORDER)})")
@@ -861,9 +884,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
     kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
     compile_kinds = tuple(args.compile_kinds.split(",")) if args.compile_kinds else None
-    bad = [k for k in kinds + (compile_kinds or ()) if k not in KINDS]
+    bad = [k for k in kinds + (compile_kinds or ()) if not valid_kind(k)]
     if bad or any(k not in kinds for k in compile_kinds or ()):
-        parser.error(f"unknown or unselected variant(s) {bad or list(compile_kinds or ())}; choose from {list(KINDS)}")
+        parser.error(f"unknown or unselected variant(s) {bad or list(compile_kinds or ())}; choose from {list(KINDS)}"
+                     f" (ours also as ours-<recipe>{UNCOUNTED})")
     if args.threads:
         torch.set_num_threads(args.threads)
     env = harness.environment(args.device)

@@ -196,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 name, _, ablation = kind.partition(":")
                 torch._dynamo.reset()
                 with statistics_off() if ablation == "nostats" else contextlib.nullcontext():
-                    variant = bl.build_variant(name, base, args.device, backend)
-                    if ablation == "uncounted":
-                        variant = dataclasses.replace(variant, count_statistics=False)
+                    variant = bl.build_variant(kind if ablation == "uncounted" else name, base, args.device, backend)
                     step = bl.make_step(variant, x, optimizer)
                     for _ in range(args.warmup):
                         step()

@@ -24,8 +24,8 @@ import docs_tables
 import harness
 from utils import bench_result
 
-KINDS = ("bf16", "torchao-tensorwise", "ours-tensorwise", "ours-delayed")
-COMPILED = ("ours-tensorwise",)
+KINDS = ("bf16", "torchao-tensorwise", "ours-tensorwise", "ours-delayed", "ours-tensorwise:uncounted")
+COMPILED = ("ours-tensorwise", "ours-tensorwise:uncounted")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,33 @@ def test_variants_share_the_weights_and_convert_every_linear():
         linears = [type(m).__name__ for m in variant.model.modules() if isinstance(m, nn.Linear)]
         expected = {"bf16": "Linear", "torchao-tensorwise": "Float8Linear"}.get(kind, "FP8Linear")
         assert linears == [expected] * 7, (kind, linears)
+
+
+def test_uncounted_variant_records_scales_but_counts_nothing():
+    """``ours-<recipe>:uncounted`` is the step that ``statistics_every_n_steps`` runs between two counting steps: the
+    scales are recorded as the counting variant records them, the counters and histograms stay at zero; the counting
+    variant's are not."""
+    from lightning_fp8 import FP8Stats
+
+    base = bench_llama.make_stack(bench_llama.SIZES["test"], "cpu")
+    x = torch.randn(bench_llama.SIZES["test"].batch, bench_llama.SIZES["test"].seq, bench_llama.SIZES["test"].hidden)
+    readings = {}
+    for kind in ("ours-tensorwise", "ours-tensorwise:uncounted"):
+        variant = bench_llama.build_variant(kind, base, "cpu", None)
+        assert (variant.kind, variant.count_statistics) == (kind, kind == "ours-tensorwise")
+        bench_llama.forward_backward(variant, x)
+        readings[kind] = FP8Stats(variant.model).read().layers
+    for name, layer in readings["ours-tensorwise:uncounted"].items():
+        assert all(c == 0 for role in layer.counts for c in role), name
+        assert all(c == 0 for role in layer.amax_bins for c in role), name
+        assert layer.scale == readings["ours-tensorwise"][name].scale, name  # the scales were recorded
+        assert all(v not in (0.0, 1.0) for v in layer.scale), name
+        assert sum(readings["ours-tensorwise"][name].counts[0]) > 0, name
+    assert bench_llama.variant_name("ours-tensorwise:uncounted") == "ours tensorwise, steps not counting"
+    for bad in ("torchao-tensorwise:uncounted", "bf16:uncounted", "ours-nonsense:uncounted", "ours-tensorwise:x"):
+        assert not bench_llama.valid_kind(bad), bad
+        with pytest.raises(ValueError, match="unknown variant"):
+            bench_llama.build_variant(bad, base, "cpu", None)
 
 
 def test_result_file_structure(result):
@@ -493,3 +520,28 @@ def test_compiled_saved_bytes_target_names_a_missing_reference(result):
     v.pop("bf16+compile", None)
     assert ("`tensorwise`, compiled: saved for backward, in all, at this size ≤ 0.55 × bf16 compiled | "
             "no compiled bf16 reference (not run): n/a") in docs_tables.llama_targets(data)
+
+
+def test_gpu_targets_have_a_row_for_the_steps_that_do_not_count(result):
+    """On a GPU run with ``ours-tensorwise:uncounted`` compiled, the tokens/s targets are also read for the steps that
+    ``statistics_every_n_steps`` does not count, each against the same reference."""
+    data = copy.deepcopy(result)
+    data["device"] = "cuda:0"
+    data["sizes"] = {docs_tables.LLAMA_GPU_SIZE: data["sizes"]["test"]}
+    variants = data["sizes"][docs_tables.LLAMA_GPU_SIZE]["variants"]
+    variants["bf16+compile"] = {**variants["ours-tensorwise+compile"]}
+    variants["torchao-tensorwise+compile"] = {**variants["ours-tensorwise+compile"]}
+    for key, tokens in (("bf16", 100.0), ("torchao-tensorwise", 110.0), ("ours-tensorwise", 105.0),
+                        ("ours-tensorwise:uncounted", 132.0)):
+        variants[key + "+compile"]["tokens_per_s"] = tokens
+    rows = [line for line in docs_tables.llama_targets(data).splitlines() if "H100-class" in line]
+    assert rows == [
+        "| H100-class GPU, compiled, llama3-8b at 8192 tokens per step: `tensorwise` ≥ 1.3 × bf16's tokens/s | "
+        "1.05×: **missed** |",
+        "| H100-class GPU, compiled, llama3-8b at 8192 tokens per step: `tensorwise`, steps not counting ≥ 1.3 × bf16's "
+        "tokens/s | 1.32×: met |",
+        "| H100-class GPU, compiled, llama3-8b at 8192 tokens per step: `tensorwise` tokens/s ≥ torchao tensorwise's | "
+        "0.95×: **missed** |",
+        "| H100-class GPU, compiled, llama3-8b at 8192 tokens per step: `tensorwise`, steps not counting tokens/s ≥ "
+        "torchao tensorwise's | 1.20×: met |",
+    ]
