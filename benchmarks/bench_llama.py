@@ -76,6 +76,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -483,6 +484,16 @@ def saved_for_backward_compiled(variant: Variant, x: torch.Tensor, params: list[
     return {"saved_bytes": sum(buckets.values())}
 
 
+def failure(err: BaseException) -> tuple[str, str]:
+    """A variant's failure: the status (type and first line of the message, for the tables) and the detail for the
+    result file and the log: the lines of a longer message that name a kernel or an error (an inductor error from a
+    compile worker says only "An exception occurred in a subprocess:" on its first line)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    status = f"failed: {type(err).__name__}: {lines[0][:200] if lines else ''}"
+    detail = [line for line in lines[1:] if line.startswith("Name=") or re.match(r"[\w.]*(Error|Exception)\b", line)]
+    return status, " | ".join(dict.fromkeys(detail))[:1000]
+
+
 def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backend: str | None, warmup: int,
                  reps: int, budget_s: float, peaks: dict[str, Any], log: Callable[[str], None] = print,
                  compile_kinds: tuple[str, ...] | None = None, compile_scope: str = "model") -> dict[str, Any]:
@@ -538,7 +549,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
             try:
                 variants[kind] = build_variant(kind, base, device, None)
             except Exception as err:  # noqa: BLE001 - report it, do not abort the run
-                results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                results[kind]["status"], results[kind]["error"] = failure(err)
                 continue
             steps[kind] = make_step(variants[kind], x, optimizer)
         wanted = kinds if compile_kinds is None else compile_kinds
@@ -559,8 +570,8 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
                 for _ in range(warmup):
                     step()
             except Exception as err:  # noqa: BLE001 - report it, do not abort the run
-                results[kind]["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                note(f"{size.name}: {kind} {results[kind]['status']}")
+                results[kind]["status"], results[kind]["error"] = failure(err)
+                note(f"{size.name}: {kind} {results[kind]['status']} {results[kind]['error']}")
                 del steps[kind], variants[kind]
         for kind in compile_kinds:
             key = f"{kind}+compile"
@@ -590,8 +601,8 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
                 if cuda:
                     torch.cuda.synchronize(device)
             except Exception as err:  # noqa: BLE001 - report it, do not abort the run
-                info["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                note(f"{size.name}: {key} {info['status']}")
+                info["status"], info["error"] = failure(err)
+                note(f"{size.name}: {key} {info['status']} {info['error']}")
                 continue
             info["warmup_s"] = time.perf_counter() - t0
             spent += info["warmup_s"]

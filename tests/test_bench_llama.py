@@ -545,3 +545,30 @@ def test_gpu_targets_have_a_row_for_the_steps_that_do_not_count(result):
         "| H100-class GPU, compiled, llama3-8b at 8192 tokens per step: `tensorwise`, steps not counting tokens/s ≥ "
         "torchao tensorwise's | 1.20×: met |",
     ]
+
+
+def test_a_failure_keeps_the_kernel_and_the_error_a_compile_worker_reported():
+    """An inductor error from a compile worker says only that a subprocess failed on its first line: the status keeps
+    that line (for the tables), the detail the kernel's name and the final error (the H200 run lost both)."""
+    message = ("SubprocException: An exception occurred in a subprocess:\n\nName=triton_red_fused_cast_0\nTraceback "
+               "(most recent call last):\n  File \"x.py\", line 1\ntriton.runtime.errors.PTXASError: PTXAS error: "
+               "`ptxas` failed with error code -11\n`ptxas` stderr:\n")
+    status, detail = bench_llama.failure(RuntimeError(message))
+    assert status == "failed: RuntimeError: SubprocException: An exception occurred in a subprocess:"
+    assert detail == ("Name=triton_red_fused_cast_0 | triton.runtime.errors.PTXASError: PTXAS error: `ptxas` failed "
+                      "with error code -11")
+    assert bench_llama.failure(ValueError("")) == ("failed: ValueError: ", "")
+
+
+def test_gpu_check_asks_for_variants_the_benchmarks_know():
+    """``benchmarks/gpu_check.sh`` runs on a lent GPU with no second try: its default variants (bench and profile)
+    are ones the scripts accept, and the compiled ones are among the run's variants."""
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    import re
+
+    kinds = re.search(r"kinds=\$\{KINDS:-([^}]*)\}", script).group(1).split(",")
+    compiled = re.search(r"COMPILE_KINDS:-([^}]*)\}", script).group(1).split(",")
+    profiled = re.search(r"PROFILE_KINDS:-([^}]*)\}", script).group(1).split(",")
+    assert all(bench_llama.valid_kind(k) for k in kinds + compiled), (kinds, compiled)
+    assert set(compiled) <= set(kinds)
+    assert all(bench_llama.valid_kind(k.removesuffix(":nostats")) for k in profiled), profiled
