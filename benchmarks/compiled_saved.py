@@ -61,7 +61,7 @@ DEFAULT_JSON = os.path.join(bench_llama.HERE, "results", "compiled_saved.json")
 def gpu_gemm_path() -> Iterator[None]:
     """Ours and torchao's variants take the GPU's GEMM path (``torch._scaled_mm``) on this CPU, and our compiled casts
     the form they take in Triton (``inductor_cpp_backend`` false, in both modules that ask it: the roundings through
-    the bits, the counts from the FP8 bytes, a partial block's padding inlined)."""
+    the bits, a partial block's padding inlined)."""
     saved = gemm.gemm_path, bench_llama.fp8_hardware, recipe.inductor_cpp_backend, quantize.inductor_cpp_backend
     gemm.gemm_path = lambda *args, **kwargs: "native"
     bench_llama.fp8_hardware = lambda device: True  # torchao: emulate=False

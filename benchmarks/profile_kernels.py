@@ -20,7 +20,7 @@ under ``torch.profiler``. Each kernel's device time per step is summed by name a
 
 An ablation, to price the statistics: ``<kind>:nostats`` (e.g. ``ours-tensorwise:nostats``), compiled only, runs
 our variant with the nonzero / overflow / underflow counters (``quantize.cast_statistics`` and the two ways a compiled
-cast counts without it: from the stored FP8 bytes, from the float32 values of a block cast) and ``quantize.amax_bins``
+cast counts without it: from the stored FP8 data, from the float32 values of a block cast) and ``quantize.amax_bins``
 (the histograms of slice and block amaxes) replaced by zeros, so that inductor drops them from the cast kernels.
 What stays: the amaxes the scales need and the table records. Not a product setting: the stats callback would read
 zeros. (Eager on CUDA the casts run our Triton kernel, which computes the counters inside; the ablation cannot
@@ -77,7 +77,7 @@ CPU_KERNEL = re.compile(r"aten::|(graph_\d+_)?cpp_fused")
 @contextlib.contextmanager
 def statistics_off() -> Any:
     """The ``:nostats`` ablation: casts report zero counts and empty amax histograms, computed from nothing. Every
-    path a compiled cast counts on: ``cast_statistics``, and the two it takes without it (the stored FP8 bytes of a
+    path a compiled cast counts on: ``cast_statistics``, and the two it takes without it (the stored FP8 data of a
     cast scaled by its own amaxes or a history, the float32 values of a block cast)."""
     from unittest import mock
 
@@ -89,7 +89,7 @@ def statistics_off() -> Any:
     def no_bins(amax: torch.Tensor) -> torch.Tensor:
         return torch.zeros(quantize.N_AMAX_BINS, dtype=torch.int64, device=amax.device)
 
-    counters = ("cast_statistics", "_cast_statistics_from_bytes", "_cast_statistics_from_values")
+    counters = ("cast_statistics", "_cast_statistics_from_stored", "_cast_statistics_from_values")
     with contextlib.ExitStack() as stack:
         for name in counters:
             stack.enter_context(mock.patch.object(quantize, name, no_counts))

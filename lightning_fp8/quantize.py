@@ -202,8 +202,8 @@ def cast_statistics(x: Tensor, x_scaled: Tensor, data: Tensor, overflow_free: bo
     Eager, the counts come from ``_cast_statistics_eager`` (about a third cheaper on a CPU than boolean
     masks); under ``torch.compile`` from the float values (``_cast_statistics_from_values``), which inductor
     fuses into the cast's loop, except for the casts through :func:`cast_with_statistics` that are ``overflow_free``
-    or take a history scale (``delayed``'s grad_output casts), which count from the stored FP8 bytes
-    (``_cast_statistics_from_bytes``). All equal the definitions above exactly.
+    or take a history scale (``delayed``'s grad_output casts), which count from the stored FP8 data
+    (``_cast_statistics_from_stored``). All equal the definitions above exactly.
     """
     if torch.compiler.is_compiling():
         return _cast_statistics_from_values(x, x_scaled, data.dtype)
@@ -270,21 +270,21 @@ def cast_with_statistics(
     ``torch.compile``, this runs the fused Triton kernel of ``lightning_fp8.triton_cast`` (same bits).
     ``overflow_free``: the scale came from ``x``'s own amax (see :func:`cast_statistics`). ``history``: ``(history
     scale, usable flag)`` where ``scale`` is ``where(usable, history scale, x's own amax's scale)`` (``delayed``);
-    under ``torch.compile`` both let the counts come from the stored FP8 bytes (``_cast_statistics_from_bytes``).
+    under ``torch.compile`` both let the counts come from the stored FP8 data (``_cast_statistics_from_stored``).
     """
     if use_triton(x):
         return triton_cast_with_statistics(x, scale, fp8_dtype)
     x_scaled = x.to(torch.float32) * scale
     data = saturated_cast(x_scaled, fp8_dtype)
     if (overflow_free or history is not None) and torch.compiler.is_compiling():
-        return data, _cast_statistics_from_bytes(x, data, scale, history)
+        return data, _cast_statistics_from_stored(x, data, scale, history)
     return data, cast_statistics(x, x_scaled, data, overflow_free)
 
 
-def _cast_statistics_from_bytes(
+def _cast_statistics_from_stored(
     x: Tensor, data: Tensor, scale: Tensor, history: tuple[Tensor, Tensor] | None = None
 ) -> Tensor:
-    """:func:`cast_statistics` under ``torch.compile`` from the stored FP8 bytes, for a cast whose scales came from
+    """:func:`cast_statistics` under ``torch.compile`` from the stored FP8 data, for a cast whose scales came from
     ``x``'s own amaxes (``overflow_free``: one scale, or one per row or column) or, with ``history`` (``(history
     scale, usable)``, ``delayed``), from the history where it is usable and from ``x``'s own amax where not: the
     counts need no float32 copy of the scaled values.
@@ -299,29 +299,26 @@ def _cast_statistics_from_bytes(
 
     * ``overflow``: with an overflow-free scale, the elements cast to NaN (such a scale saturates no finite element);
       with a usable history, the elements with ``not |x * history scale| <= fp8_max``;
-    * ``underflow``: in the slices with a finite scale, the zero bytes less the zeros of ``x`` (there a zero ``x`` is
-      a zero byte, and a non-zero ``x`` is a zero byte exactly when it underflows); a slice with a non-finite scale
-      has no zero byte (``0 * inf`` and every product with NaN are NaN) and no underflow. The same counts as the
-      definitions (``tests/test_cast_statistics_definitions.py``).
+    * ``underflow``: in the slices with a finite scale, the zero elements of the FP8 data less the zeros of ``x``
+      (there a zero ``x`` casts to zero, and a non-zero ``x`` casts to zero exactly when it underflows); a slice with
+      a non-finite scale has no zero (``0 * inf`` and every product with NaN are NaN) and no underflow. The same counts
+      as the definitions (``tests/test_cast_statistics_definitions.py``).
 
-    Inductor's C++ backend (a CPU: :func:`~lightning_fp8.recipe.inductor_cpp_backend`) reads the FP8 data as float32
-    values instead, testing ``value != value`` (NaN) and ``value == 0``: the same elements, since every FP8 value is
-    exactly a float32 and :func:`saturated_cast` writes no infinity. That backend converts FP8 values to float32 with
-    the conversion the emulated GEMM reads anyway (vector code on AVX-512 CPUs only; elsewhere element by element:
-    ``benchmarks/fp8_conversions.py``) but reinterprets FP8 as bytes (``view(torch.uint8)``) through a further scalar
-    copy of each vector: counted from the bytes, a compiled Llama-style
-    training step on a CPU took about a sixth more time than torchao's, at most about a fourteenth more from the
-    values (A/B runs on a shared CPU: CHANGELOG.md). Triton (a GPU) reads the bytes natively, and the GPU
-    measurements were made with them.
+    The FP8 data is tested as float32 values, ``value != value`` (NaN) and ``value == 0``: the same elements as its
+    bits (every FP8 value is exactly a float32, and :func:`saturated_cast` writes no infinity), but never
+    reinterpreted as bytes (``view(torch.uint8)``), for two reasons found by measuring. On a GPU: with torch 2.11
+    (Triton 3.6) and CUDA 13.0's ``ptxas`` on an H200, ``ptxas`` crashed (SIGSEGV) compiling the Triton kernel of a
+    cast that stored its FP8 data and tested the same values as bytes, so compiled ``rowwise`` and checkpointed
+    ``tensorwise`` blocks did not compile; that kernel with the float32 test compiled (offline, with the same Triton
+    and ``ptxas``). On a CPU: inductor's C++ backend converts FP8 to float32 with the conversion the emulated GEMM
+    reads anyway (vector code on AVX-512 CPUs only; elsewhere element by element: ``benchmarks/fp8_conversions.py``)
+    but reinterprets FP8 as bytes through a further scalar copy of each vector: counted from the bytes, a compiled
+    Llama-style training step on a CPU took about a sixth more time than torchao's, at most about a fourteenth more
+    from the values (A/B runs on a shared CPU: CHANGELOG.md).
     """
     count = torch.int32 if x.numel() < 2**31 else torch.int64
-    stored = data.as_strided(data.shape, data.stride())
-    if inductor_cpp_backend(data.device.type):  # the FP8 values, tested as float32: see the docstring
-        values = stored.to(torch.float32)
-        is_nan, is_zero = values != values, values == 0
-    else:
-        magnitude = stored.view(torch.uint8) & 0x7F
-        is_nan, is_zero = magnitude >= _NAN_MAGNITUDE[data.dtype], magnitude == 0
+    values = data.as_strided(data.shape, data.stride()).to(torch.float32)  # never as bytes: see the docstring
+    is_nan, is_zero = values != values, values == 0
     overflow = is_nan.sum(dtype=count)
     if history is not None:
         history_scale, usable = history
@@ -330,7 +327,13 @@ def _cast_statistics_from_bytes(
     shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
     slice_dims = [d for d in range(x.dim()) if shape[d] == 1]  # one scale along these
     slices_nonzero = (x != 0).sum(dim=slice_dims, keepdim=True, dtype=count)
-    zeros = torch.where(scale.reshape(shape).isfinite(), x.numel() // scale.numel() - slices_nonzero, 0)
+    # finite: ``s - s == 0`` (NaN for an infinite or NaN ``s``), two graph nodes where isfinite decomposes into four,
+    # which lengthened the forward chain that AOTAutograd's partitioner measures past its limit (compiled rowwise
+    # Llama blocks saved their SwiGLU product again: tests/test_compiled_saved_casts.py). Not ``s * 0 == 0``: inductor
+    # folds a product with zero to zero, NaN or not.
+    s = scale.reshape(shape)
+    finite = s - s == 0
+    zeros = torch.where(finite, x.numel() // scale.numel() - slices_nonzero, 0)
     nonzero, underflow = slices_nonzero.sum(dtype=count), is_zero.sum(dtype=count) - zeros.sum(dtype=count)
     return torch.stack([nonzero, overflow, underflow]).to(torch.int64)
 

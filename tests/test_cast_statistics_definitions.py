@@ -87,29 +87,14 @@ def test_eager_counts_equal_the_definitions(source, fp8, flush):
         torch.set_flush_denormal(False)
 
 
-#: How a compiled cast reads its stored FP8 data to count (``_cast_statistics_from_bytes``): as float32 values (the
-#: C++ backend, a CPU: the default here) or as bytes (the form Triton gets, a GPU), both run here by the C++ backend.
-COUNT_FORMS = ["values", "bytes"]
-
-
-def _count_form(monkeypatch, form):
-    import lightning_fp8.quantize as quantize_module
-
-    if form == "bytes":
-        monkeypatch.setattr(quantize_module, "inductor_cpp_backend", lambda device_type: False)
-
-
-@pytest.mark.parametrize("form", COUNT_FORMS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("source", ["bf16_all", "f32_subnormal", "f32_random"])
-def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8, form, monkeypatch):
+def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8):
     """Compiled, a cast whose scales came from its own amaxes (``overflow_free``: per tensor, row or column) counts
-    from the stored FP8 data (``_cast_statistics_from_bytes``, read as float32 values or as bytes): the same data as
-    eager, and the definitions' counts, for every bf16 pattern, float32 subnormals and wide ranges, under every
+    from the stored FP8 data (``_cast_statistics_from_stored``, read as float32 values): the same data as eager, and the definitions' counts, for every bf16 pattern, float32 subnormals and wide ranges, under every
     special scale (0, inf, NaN, tiny, huge), a tensor's, rows' and columns' (mixed), on a transposed input too."""
     from lightning_fp8.quantize import cast_with_statistics
 
-    _count_form(monkeypatch, form)
     x = SOURCES[source]()
     torch._dynamo.reset()  # one code object for every parametrization: its recompilations would add up
     compiled = torch.compile(lambda x, scale: cast_with_statistics(x, scale, fp8, overflow_free=True), fullgraph=True)
@@ -126,18 +111,16 @@ def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8,
         assert torch.equal(counts, want), (source, fp8, scale.flatten()[:3], counts.tolist(), want.tolist())
 
 
-@pytest.mark.parametrize("form", COUNT_FORMS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("source", ["bf16_all", "f32_random"])
-def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, fp8, form, monkeypatch):
+def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, fp8):
     """Compiled, a ``delayed`` cast (the history's scale where usable, else the tensor's own amax's) counts from the
-    stored FP8 data (as values or as bytes), its history overflows from ``x``: the definitions' counts under every
+    stored FP8 data (as float32 values), its history overflows from ``x``: the definitions' counts under every
     special history scale (usable; a finite one saturates elements), and with the history not usable (the own-amax
     scale)."""
     from lightning_fp8.quantize import cast_with_statistics
     from lightning_fp8.recipe import amax_to_scale
 
-    _count_form(monkeypatch, form)
     x = SOURCES[source]()
     torch._dynamo.reset()
 
@@ -158,27 +141,69 @@ def test_compiled_counts_of_history_scaled_casts_equal_the_definitions(source, f
             assert torch.equal(counts, want), (source, fp8, s, usable, counts.tolist(), want.tolist())
 
 
-@pytest.mark.parametrize("form", COUNT_FORMS)
-def test_compiled_cpu_counts_read_the_fp8_data_in_vector_code(form, monkeypatch):
+@pytest.mark.parametrize("reader", ["product", "bytes"])
+def test_compiled_cpu_counts_read_the_fp8_data_in_vector_code(reader):
     """Inductor's C++ backend reinterprets FP8 as bytes through a scalar copy of every vector (``bit_cast<uint8_t>``
     in a loop over a stack buffer): counted from the bytes, a compiled Llama-style step on a CPU took about a sixth
-    more time than torchao's. On a CPU the counts read the FP8 data as float32 values, which that backend converts in
-    vector code; the form Triton gets keeps the bytes (and shows the scalar copy, so the check can fail)."""
+    more time than torchao's. The product's counts read the FP8 data as float32 values, which that backend converts
+    in vector code; ``bytes`` counts the same elements from the bytes (and shows the scalar copy, so the check can
+    fail)."""
     from torch._inductor.utils import run_and_get_code
 
     from lightning_fp8.quantize import cast_with_statistics
 
-    _count_form(monkeypatch, form)
     torch._dynamo.reset()
     x = torch.randn(64, 256)
     x[0, :2] = torch.tensor([0.0, 1e-30])
 
     def cast(x):
-        return cast_with_statistics(x, 448.0 / x.abs().amax().clamp(min=1e-12), torch.float8_e4m3fn, overflow_free=True)
+        scale = 448.0 / x.abs().amax().clamp(min=1e-12)
+        if reader == "product":
+            return cast_with_statistics(x, scale, torch.float8_e4m3fn, overflow_free=True)
+        data = saturated_cast(x * scale, torch.float8_e4m3fn)
+        magnitude = data.view(torch.uint8) & 0x7F
+        nonzero = (x != 0).sum()
+        return data, torch.stack([nonzero, (magnitude == 0x7F).sum(), (magnitude == 0).sum() - (x.numel() - nonzero)])
 
     (data, counts), (code, *_) = run_and_get_code(torch.compile(cast, fullgraph=True, dynamic=False), x)
     x_scaled = x * (448.0 / x.abs().amax().clamp(min=1e-12))
     assert torch.equal(counts, _reference(x, x_scaled, saturated_cast(x_scaled, torch.float8_e4m3fn), True))
     assert counts.tolist() == [x.numel() - 1, 0, 1]  # the zero left out, the underflow counted
     scalar_byte_copy = "bit_cast<uint8_t>" in code
-    assert scalar_byte_copy == (form == "bytes"), code
+    assert scalar_byte_copy == (reader == "bytes"), code
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["self-scaled", "delayed"])
+def test_compiled_gpu_counts_never_read_fp8_data_as_bytes(history):
+    """The Triton code inductor writes for a GPU (written here on the CPU, ``benchmarks/gpu_kernels.py``) reads no FP8
+    value as bytes (``.to(tl.uint8, bitcast=True)``). On the H200 (torch 2.11, Triton 3.6, CUDA 13.0's ``ptxas``),
+    ptxas crashed (SIGSEGV) compiling a cast kernel that stored its FP8 data and tested the same values as bytes to
+    count them: compiled ``rowwise`` and checkpointed ``tensorwise`` blocks failed to compile. The same kernel with the
+    values tested as float32 compiled (offline, with those two versions)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from compiled_saved import gpu_gemm_path
+    from gpu_kernels import triton_code_on_cpu
+
+    from lightning_fp8.quantize import cast_with_statistics
+    from lightning_fp8.recipe import amax_to_scale
+
+    x = torch.randn(64, 256)
+
+    def cast(x, history_scale):
+        own = amax_to_scale(x.abs().amax(), 448.0)
+        if history:
+            usable = history_scale.isfinite()
+            scale = torch.where(usable, history_scale, own)
+            return cast_with_statistics(x, scale, torch.float8_e4m3fn, history=(history_scale, usable))
+        return cast_with_statistics(x, own, torch.float8_e4m3fn, overflow_free=True)
+
+    sources: dict[str, str] = {}
+    torch._dynamo.reset()
+    with gpu_gemm_path(), triton_code_on_cpu(sources):
+        torch.compile(cast, fullgraph=True, dynamic=False)(x, torch.tensor(4.0))
+    assert sources and any("tl.float8e4nv" in code for code in sources.values())  # the cast is in the Triton code
+    as_bytes = [name for name, code in sources.items() if "tl.uint8, bitcast=True" in code]
+    assert not as_bytes, as_bytes

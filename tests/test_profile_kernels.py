@@ -128,7 +128,7 @@ def test_sync_warnings_are_counted_under_their_call_site():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
 def test_the_statistics_ablation_removes_the_compiled_counters_too(recipe):
     """``statistics_off`` (the ``:nostats`` ablation, compiled only) zeroes every path a compiled cast counts on:
-    ``cast_statistics``, and the counts a compiled cast takes without it (from the stored FP8 bytes for casts scaled
+    ``cast_statistics``, and the counts a compiled cast takes without it (from the stored FP8 data for casts scaled
     by their own amaxes, from the float32 values for block casts); it missed those two, so the compiled ablation kept
     most counters (found pricing them on a CPU). Outside it the same compiled casts count."""
     from lightning_fp8 import quantize
