@@ -16,8 +16,9 @@ Sources: ``results/linear.json`` (``bench_linear.py``), ``results/core_before.js
 ``results/core_instructions.json`` (callgrind counts of ``layer_overhead_workload.py``),
 ``results/compare_example.json`` (``bench_compare.py``: ``lightning_fp8.compare`` on the example's config),
 ``results/convergence.json`` (``bench_convergence.py``: validation loss of FP8 training against bf16),
-``results/llama.json`` and ``results/llama_gpu.json`` (``bench_llama.py`` on this CPU and on an H200: Llama-style
-decoder blocks under bf16, torchao and every recipe, eager and compiled), ``results/compiled_saved.json``
+``results/llama.json``, ``results/llama_gpu.json`` and ``results/llama_gpu_nov29.json`` (``bench_llama.py`` on this
+CPU and twice on an H200: Llama-style decoder blocks under bf16, torchao and every recipe, eager and compiled),
+``results/compiled_saved.json``
 (``compiled_saved.py``: what those blocks keep for backward compiled on the GPU's GEMM path, forced on a CPU),
 ``results/compile.json``
 (``bench_compile.py``: those blocks compiled whole or block by block, cold, at several depths; its table is rendered
@@ -1008,6 +1009,11 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "llama_gpu_memory.md": lambda: llama_memory(load("llama_gpu.json")),
     "llama_gpu_compile.md": lambda: llama_compile(load("llama_gpu.json")),
     "llama_gpu_targets.md": lambda: llama_targets(load("llama_gpu.json")),
+    # the second H200 run (2026-11-29): ours tensorwise counting and not counting (statistics_every_n_steps)
+    "llama_gpu_nov29_step_time.md": lambda: llama_step_time(load("llama_gpu_nov29.json")),
+    "llama_gpu_nov29_memory.md": lambda: llama_memory(load("llama_gpu_nov29.json")),
+    "llama_gpu_nov29_compile.md": lambda: llama_compile(load("llama_gpu_nov29.json")),
+    "llama_gpu_nov29_targets.md": lambda: llama_targets(load("llama_gpu_nov29.json")),
     "compiled_saved.md": compiled_saved,
     "gpu_kernels.md": gpu_kernels,
     "fsdp2_all_gather.md": fsdp2_all_gather,
