@@ -553,7 +553,7 @@ def measure_size(size: Size, kinds: tuple[str, ...], device: str, compile_backen
                 continue
             steps[kind] = make_step(variants[kind], x, optimizer)
         wanted = kinds if compile_kinds is None else compile_kinds
-        compile_kinds = tuple(sorted((k for k in wanted if k in variants), key=lambda k: (
+        compile_kinds = tuple(sorted((k for k in dict.fromkeys(wanted) if k in variants), key=lambda k: (
             COMPILE_ORDER.index(base_kind(k)), k))) if compile_backend else ()
         if compile_kinds:
             torch._dynamo.reset()  # one size at a time: the stack's code objects are shared by all compiled variants

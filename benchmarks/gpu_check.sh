@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a CUDA machine with torch, lightning and triton installed:
 #   bash benchmarks/gpu_check.sh [PARTS] [OUT_DIR]      PARTS: all (= bench,profile,test) or a comma list of them
-# bench:   the Llama3-8B-shaped stack (benchmarks/bench_llama.py --sizes llama3-8b): every variant eager, and compiled
-#          bf16, torchao tensorwise/rowwise and our per-tensor and row-wise recipes, within a compile budget; each
+# bench:   the Llama3-8B-shaped stack (benchmarks/bench_llama.py --sizes llama3-8b): bf16, torchao tensorwise/rowwise,
+#          ours tensorwise (counting and not) and rowwise, eager and compiled, within a compile budget; each
 #          compiled variant's gradients are checked against its eager twin's before it is timed.
 # profile: benchmarks/profile_kernels.py on one compiled Llama3-8B-shaped block: kernel time per step by kernel,
 #          ours against torchao, counting and not counting (statistics_every_n_steps).

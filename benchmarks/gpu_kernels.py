@@ -134,10 +134,8 @@ def measure(spec: str, base: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]
     """Compile variant ``spec`` (a kind, ``:uncounted`` for a step that does not count) and describe its graphs."""
     from torch._inductor.utils import run_and_get_code
 
-    kind, _, option = spec.partition(":")
     torch._dynamo.reset()
-    variant = bench_llama.build_variant(kind, base, "cpu", "inductor", scope="model")
-    variant.count_statistics = option != "uncounted"
+    variant = bench_llama.build_variant(spec, base, "cpu", "inductor", scope="model")
     sources: dict[str, str] = {}
     with triton_code_on_cpu(sources):
         _, codes = run_and_get_code(lambda: bench_llama.forward_backward(variant, x))

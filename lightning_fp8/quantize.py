@@ -330,7 +330,7 @@ def _cast_statistics_from_stored(
     # finite: ``s - s == 0`` (NaN for an infinite or NaN ``s``), two graph nodes where isfinite decomposes into four,
     # which lengthened the forward chain that AOTAutograd's partitioner measures past its limit (compiled rowwise
     # Llama blocks saved their SwiGLU product again: tests/test_compiled_saved_casts.py). Not ``s * 0 == 0``: inductor
-    # folds a product with zero to zero, NaN or not.
+    # folds a product with the integer 0 to zero, NaN or not (``* 0.0`` it keeps).
     s = scale.reshape(shape)
     finite = s - s == 0
     zeros = torch.where(finite, x.numel() // scale.numel() - slices_nonzero, 0)
@@ -514,7 +514,7 @@ def _quantize_reference(
                 raise ValueError("a history-scaled cast needs history_scale and history_ready")
             scale = torch.where(history_ready, history_scale, scale)
             if spec.role == GRAD_OUTPUT:
-                # the backward's casts only: counted from the bytes, a forward cast adds graph nodes that take
+                # the backward's casts only: counted from the stored data, a forward cast adds graph nodes that take
                 # delayed's forward chain past the partitioner's recompute limit (tests/test_compiled_saved_casts.py)
                 history = (history_scale, history_ready)
     if spec.granularity == "block":

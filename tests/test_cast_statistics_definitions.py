@@ -91,8 +91,9 @@ def test_eager_counts_equal_the_definitions(source, fp8, flush):
 @pytest.mark.parametrize("source", ["bf16_all", "f32_subnormal", "f32_random"])
 def test_compiled_counts_of_self_scaled_casts_equal_the_definitions(source, fp8):
     """Compiled, a cast whose scales came from its own amaxes (``overflow_free``: per tensor, row or column) counts
-    from the stored FP8 data (``_cast_statistics_from_stored``, read as float32 values): the same data as eager, and the definitions' counts, for every bf16 pattern, float32 subnormals and wide ranges, under every
-    special scale (0, inf, NaN, tiny, huge), a tensor's, rows' and columns' (mixed), on a transposed input too."""
+    from the stored FP8 data (``_cast_statistics_from_stored``, read as float32 values): the same data as eager, and
+    the definitions' counts, for every bf16 pattern, float32 subnormals and wide ranges, under every special scale
+    (0, inf, NaN, tiny, huge), a tensor's, rows' and columns' (mixed), on a transposed input too."""
     from lightning_fp8.quantize import cast_with_statistics
 
     x = SOURCES[source]()
