@@ -308,9 +308,9 @@ def _cast_statistics_from_stored(
     bits (every FP8 value is exactly a float32, and :func:`saturated_cast` writes no infinity), but never
     reinterpreted as bytes (``view(torch.uint8)``), for two reasons found by measuring. On a GPU: with torch 2.11
     (Triton 3.6) and CUDA 13.0's ``ptxas`` on an H200, ``ptxas`` crashed (SIGSEGV) compiling the Triton kernel of a
-    cast that stored its FP8 data and tested the same values as bytes, so compiled ``rowwise`` and checkpointed
-    ``tensorwise`` blocks did not compile; that kernel with the float32 test compiled (offline, with the same Triton
-    and ``ptxas``). On a CPU: inductor's C++ backend converts FP8 to float32 with the conversion the emulated GEMM
+    cast that stored its FP8 data and tested the same values as bytes, so checkpointed ``tensorwise`` blocks (and,
+    presumably for the same reason, ``rowwise`` Llama blocks) did not compile; that kernel with the float32 test
+    compiled (offline, with the same Triton and ``ptxas``: ``benchmarks/results/ptxas_sigsegv_kernel.py``). On a CPU: inductor's C++ backend converts FP8 to float32 with the conversion the emulated GEMM
     reads anyway (vector code on AVX-512 CPUs only; elsewhere element by element: ``benchmarks/fp8_conversions.py``)
     but reinterprets FP8 as bytes through a further scalar copy of each vector: counted from the bytes, a compiled
     Llama-style training step on a CPU took about a sixth more time than torchao's, at most about a fourteenth more
